@@ -1,0 +1,67 @@
+"""Bearer-key authentication: one path for DRF views and Channels consumers.
+
+`authenticate_bearer` is the whole policy; `ApiKeyAuthentication` (DRF) and
+`tenants.middleware.ApiKeyAuthMiddleware` (Channels) only adapt it to their request types.
+"""
+from django.utils import timezone
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.request import Request
+
+from tenants import actions, errors, keys
+from tenants.models import ApiKey, Tenant
+
+# Compared against when no key has the presented prefix, so an unknown prefix costs the
+# same digest and comparison as a known one.
+_NO_SUCH_DIGEST = keys.digest("sk-000000000000_no-such-key")
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None if there is none."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def authenticate_bearer(header: str | None) -> ApiKey:
+    """The live key an Authorization header carries, with its tenant and tier loaded.
+
+    Raises a 401 `ApiError` for a missing, malformed, unknown, wrong, revoked or expired
+    key, or one whose tenant is inactive.
+    """
+    token = bearer_token(header)
+    if token is None:
+        raise errors.missing_api_key()
+    parsed = keys.parse(token)
+    if parsed is None:
+        raise errors.invalid_api_key()
+    api_key = ApiKey.objects.select_related("tenant__tier").filter(prefix=parsed.prefix).first()
+    matched = keys.matches(parsed.plaintext, api_key.digest if api_key else _NO_SUCH_DIGEST)
+    if api_key is None or not matched:
+        raise errors.invalid_api_key()
+    # From here on the caller has proved it holds the secret, so saying why is safe.
+    now = timezone.now()
+    if api_key.revoked is not None:
+        raise errors.invalid_api_key("This API key has been revoked.")
+    if not api_key.is_usable(now):
+        raise errors.invalid_api_key("This API key has expired.")
+    if not api_key.tenant.is_active:
+        raise errors.invalid_api_key("This API key's organization is inactive.")
+    actions.mark_key_used(api_key, now)
+    return api_key
+
+
+class ApiKeyAuthentication(BaseAuthentication):
+    """DRF: `request.user` is the `Tenant`, `request.auth` the `ApiKey`."""
+
+    def authenticate(self, request: Request) -> tuple[Tenant, ApiKey] | None:
+        header = request.META.get("HTTP_AUTHORIZATION")
+        if not header:
+            return None  # IsAuthenticated then answers 401 missing_api_key
+        api_key = authenticate_bearer(header)
+        return api_key.tenant, api_key
+
+    def authenticate_header(self, request: Request) -> str:
+        return "Bearer"

@@ -1,0 +1,66 @@
+"""Channels: the same key authentication and requests/min check for SSE and WebSocket scopes.
+
+On success the scope gains `tenant`, `api_key` and `rate_limit` (the admitting decision).
+A refused HTTP request gets the OpenAI-shaped error response. A refused WebSocket is
+accepted, sent the error as one JSON text frame, and closed with code 4000 + HTTP status
+(4401, 4429): a plain handshake refusal would reach the client as a bare 403.
+"""
+import json
+from typing import Any
+
+import redis
+from channels.db import database_sync_to_async
+
+from tenants import errors, quota
+from tenants.authentication import authenticate_bearer
+from tenants.limits import Decision
+from tenants.models import ApiKey
+
+Scope = dict[str, Any]
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
+    api_key = authenticate_bearer(header)
+    return api_key, quota.admit_request(api_key.tenant)
+
+
+class ApiKeyAuthMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        try:
+            api_key, decision = await database_sync_to_async(_authenticate_and_admit)(
+                _header(scope, b"authorization")
+            )
+        except errors.ApiError as error:
+            return await _refuse(scope, receive, send, error)
+        except redis.RedisError as exc:
+            return await _refuse(scope, receive, send, errors.limits_unavailable(exc))
+        scope = {**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision}
+        return await self.app(scope, receive, send)
+
+
+async def _refuse(scope: Scope, receive: Any, send: Any, error: errors.ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    if scope["type"] == "http":
+        headers = [(b"content-type", b"application/json")]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "text": body.decode()})
+    await send({"type": "websocket.close", "code": 4000 + error.status})

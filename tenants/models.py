@@ -1,0 +1,114 @@
+"""Tenants, their quota tiers, API keys and usage.
+
+Models hold state only; every write goes through `tenants.actions`.
+"""
+from django.db import models
+from django.utils import timezone
+
+
+class Lane(models.IntegerChoices):
+    """Scheduling lanes, best first (DESIGN.md). A lower number is served sooner."""
+
+    REALTIME = 0, "P0 realtime"
+    NEAR_REALTIME = 1, "P1 near-realtime"
+    BATCH = 2, "P2 batch"
+
+
+class QuotaTier(models.Model):
+    """What a tenant may use: its best lane and the limits enforced in Redis."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    lane = models.PositiveSmallIntegerField(
+        choices=Lane.choices, help_text="The best lane this tier's tenants may use; they may ask for a lower one."
+    )
+    requests_per_minute = models.PositiveIntegerField()
+    tokens_per_minute = models.PositiveIntegerField()
+    concurrent_streams = models.PositiveIntegerField()
+    max_tokens_per_request = models.PositiveIntegerField()
+    monthly_token_budget = models.PositiveBigIntegerField()
+    allow_batch = models.BooleanField(default=False, help_text="May submit Batch API jobs.")
+    isolate_prefix_cache = models.BooleanField(
+        default=False, help_text="Cached prompt prefixes are never shared with other tenants."
+    )
+
+    class Meta:
+        ordering = ["lane", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} (P{self.lane})"
+
+
+class Tenant(models.Model):
+    """A customer: a company or team. Our equivalent of Zulip's Realm."""
+
+    name = models.CharField(max_length=128, unique=True)
+    tier = models.ForeignKey(QuotaTier, on_delete=models.PROTECT, related_name="tenants")
+    is_active = models.BooleanField(default=True, help_text="An inactive tenant's keys are refused.")
+    created = models.DateTimeField(default=timezone.now)
+
+    # DRF puts the authenticated caller in request.user and asks it this question.
+    is_authenticated = True
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def engine_id(self) -> str:
+        """The tenant id the engine sees: a string, never an ORM object."""
+        return str(self.pk)
+
+
+class ApiKey(models.Model):
+    """A tenant's API key, stored as a public prefix and a SHA-256 digest of the whole key.
+
+    The plaintext `sk-<prefix>_<secret>` exists only in the response that issued it.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=128, blank=True)
+    prefix = models.CharField(max_length=32, unique=True, editable=False)
+    digest = models.CharField(max_length=64, editable=False)
+    created = models.DateTimeField(default=timezone.now, editable=False)
+    last_used = models.DateTimeField(null=True, blank=True, editable=False)
+    expires = models.DateTimeField(null=True, blank=True, help_text="Empty: never expires.")
+    revoked = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"sk-{self.prefix}_… ({self.name or 'unnamed'})"
+
+    def is_usable(self, now) -> bool:
+        return self.revoked is None and (self.expires is None or now < self.expires)
+
+
+class UsageRecord(models.Model):
+    """One finished (or aborted) request's token usage: the billing source of truth."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
+    api_key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    request_id = models.CharField(max_length=64, blank=True)
+    model = models.CharField(max_length=128, blank=True)
+    lane = models.PositiveSmallIntegerField(choices=Lane.choices)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    ttft_ms = models.PositiveIntegerField(null=True, blank=True)
+    latency_ms = models.PositiveIntegerField(null=True, blank=True)
+    finish_reason = models.CharField(max_length=32, blank=True)
+    created = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["tenant", "created"])]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}: {self.total_tokens} tokens"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
