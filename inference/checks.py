@@ -1,0 +1,42 @@
+"""System checks for the inference settings, so a bad value fails `manage.py check`
+(and every process start) instead of the first request."""
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import Error, Tags, Warning, register
+
+POLICIES = ("priority", "fcfs", "shortest_first")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MIN_INTERNAL_TOKEN_LENGTH = 32
+
+
+@register()
+def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    conf = settings.INFERENCE
+    problems = []
+    if conf["POLICY"] not in POLICIES:
+        problems.append(Error(f"INFERENCE_POLICY must be one of {', '.join(POLICIES)}.", id="inference.E001"))
+    if conf["DEVICE"].split(":")[0] not in DEVICES:
+        problems.append(Error(f"INFERENCE_DEVICE must be one of {', '.join(DEVICES)}.", id="inference.E002"))
+    if conf["DTYPE"] not in DTYPES:
+        problems.append(Error(f"INFERENCE_DTYPE must be one of {', '.join(DTYPES)}.", id="inference.E003"))
+    for name in ("KV_CACHE_BYTES", "SWAP_BYTES", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS"):
+        if conf[name] is not None and conf[name] < (0 if name == "SWAP_BYTES" else 1):
+            problems.append(Error(f"INFERENCE_{name} must be positive.", id="inference.E004"))
+    if conf["AGING_S"] <= 0:
+        problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
+    return problems
+
+
+@register(Tags.security, deploy=True)
+def check_internal_token(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    if len(settings.INTERNAL_API_TOKEN) < MIN_INTERNAL_TOKEN_LENGTH:
+        return [
+            Warning(
+                f"INTERNAL_API_TOKEN is shorter than {MIN_INTERNAL_TOKEN_LENGTH} characters.",
+                hint="Generate one with: python -c 'import secrets; print(secrets.token_urlsafe(48))'",
+                id="inference.W001",
+            )
+        ]
+    return []

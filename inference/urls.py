@@ -1,0 +1,9 @@
+from django.urls import path
+
+from inference import views
+
+app_name = "inference"
+
+urlpatterns = [
+    path("models", views.ModelList.as_view(), name="models"),
+]
