@@ -1,0 +1,194 @@
+"""The pool of KV-cache blocks: allocation, reference counts and the prefix cache.
+
+A block holds `block_size` consecutive tokens of one sequence. Once full and
+computed, a block is keyed by hash(parent block's key, its token ids, cache salt)
+so another sequence with the same prefix (and the same salt) can share it instead
+of recomputing. Unreferenced keyed blocks stay readable until the pool needs them
+back, least recently used first.
+
+"Not enough blocks" is an ordinary answer (False), never an exception: the
+scheduler decides what to do about it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from inference.engine.sequence import Sequence
+
+
+def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
+    # A cryptographic hash, not hash(): a collision would let one sequence (or tenant)
+    # read another's keys and values.
+    h = hashlib.sha256(parent or b"\0")
+    h.update((salt or "").encode() + b"\0")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    blocks: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+NO_PREFIX = CachedPrefix((), ())
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, holding nothing reusable
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, keyed, least recently used first
+
+    # -- counts ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest chain of cached blocks covering the start of `seq`'s tokens.
+
+        The block holding the last token is never taken from the cache: that token
+        must be computed to give the logits of the next one.
+        """
+        if not self.enable_prefix_caching:
+            return NO_PREFIX
+        bs = self.block_size
+        blocks, hashes = [], []
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
+            block = self.cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(key)
+            parent = key
+        return CachedPrefix(tuple(blocks), tuple(hashes))
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Key every block of `seq` that is now full of computed tokens."""
+        bs = self.block_size
+        token_ids = seq.token_ids
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            key = block_hash(parent, token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
+            seq.block_hashes.append(key)
+            block = seq.block_table[i]
+            # A twin computed concurrently may already own the key: keep the first one.
+            if self.enable_prefix_caching and key not in self.cached and self.block_hashes[block] is None:
+                self.cached[key] = block
+                self.block_hashes[block] = key
+
+    # -- allocation -----------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
+        return self._shortfall(seq, num_new_tokens, prefix) <= 0
+
+    def _shortfall(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix) -> int:
+        total = seq.num_computed_tokens + prefix.num_tokens(self.block_size) + num_new_tokens
+        required = self.blocks_needed(total) - len(seq.block_table) - len(prefix.blocks)
+        # A cached block nobody references counts as free now; taking it uses up that room.
+        revived = sum(1 for b in prefix.blocks if self.ref_counts[b] == 0)
+        return required + revived - self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens, reusing `prefix` first.
+
+        `prefix` may only be passed while the sequence holds no blocks (admission).
+        Returns False, changing nothing, when the pool cannot cover it.
+        """
+        if prefix.blocks and seq.block_table:
+            raise ValueError("a cached prefix can only be attached to a sequence that holds no blocks")
+        if self._shortfall(seq, num_new_tokens, prefix) > 0:
+            return False
+        for block in prefix.blocks:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+        seq.block_table.extend(prefix.blocks)
+        seq.block_hashes.extend(prefix.hashes)
+        total = seq.num_computed_tokens + prefix.num_tokens(self.block_size) + num_new_tokens
+        for _ in range(self.blocks_needed(total) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self.cached[self.block_hashes[block]]
+            self.block_hashes[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references. Its tail goes back first, so the shared head
+        of a prompt is the last of its blocks to be evicted."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hashes[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (e.g. after weights change)."""
+        for block in list(self._evictable):
+            del self.cached[self.block_hashes[block]]
+            self.block_hashes[block] = None
+            self._free.append(block)
+        self._evictable.clear()
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Raise AssertionError if the pool's books disagree with the sequences' tables."""
+        owners = [0] * self.num_blocks
+        for seq in seqs:
+            for block in seq.block_table:
+                owners[block] += 1
+        if owners != self.ref_counts:
+            raise AssertionError("reference counts disagree with the sequences' block tables")
+        free = set(self._free)
+        evictable = set(self._evictable)
+        if free & evictable or len(free) != len(self._free):
+            raise AssertionError("a block is free twice")
+        for block in range(self.num_blocks):
+            idle = self.ref_counts[block] == 0
+            if idle != (block in free or block in evictable):
+                raise AssertionError(f"block {block} is both used and free, or neither")
+        if self.num_free_blocks + sum(1 for r in self.ref_counts if r) != self.num_blocks:
+            raise AssertionError("free + used != total")
+        for key, block in self.cached.items():
+            if self.block_hashes[block] != key:
+                raise AssertionError("prefix cache map disagrees with block keys")

@@ -1,0 +1,77 @@
+"""Engine configuration: one frozen value, built once from the caller's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.engine.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX make bf16 matmuls fast; without them bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device 'cuda' asked for but no CUDA device is available", param="device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidRequestError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {name!r}", param="dtype") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # What to serve: "SmolLM2-135M-Instruct" (the packaged GGUF), a .gguf path or a Hugging Face folder.
+    model: str = "SmolLM2-135M-Instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    # Memory for the device KV cache; the number of blocks is derived from it unless num_blocks is set.
+    kv_cache_bytes: int = 512 * 1024**2
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    seed: int = 0
+    # Room for later issues (lanes, swap, aging) to extend without changing callers.
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a positive power of two", param="block_size")
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be at least 1", param="max_num_seqs")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidRequestError(
+                "max_num_batched_tokens must be at least max_num_seqs, or running sequences cannot all decode",
+                param="max_num_batched_tokens",
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError("num_blocks must be at least 1", param="num_blocks")
+        if self.kv_cache_bytes <= 0:
+            raise InvalidRequestError("kv_cache_bytes must be positive", param="kv_cache_bytes")
+        if self.policy not in ("fcfs",):
+            raise InvalidRequestError(f"unknown scheduling policy {self.policy!r}", param="policy")

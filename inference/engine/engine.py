@@ -1,0 +1,279 @@
+"""`LLMEngine`: requests in, token deltas out, one `step()` at a time.
+
+A step is three moves: the scheduler picks the batch, the runner computes it and
+samples, and postprocessing appends tokens, detokenizes, checks stop conditions
+and frees what finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.engine.block_manager import BlockManager
+from inference.engine.config import EngineConfig, resolve_device, resolve_dtype
+from inference.engine.errors import DuplicateRequestError, InvalidRequestError
+from inference.engine.loader import load_model
+from inference.engine.model_runner import ModelRunner, SampledToken
+from inference.engine.models.llama import LlamaModel
+from inference.engine.scheduler import Scheduler
+from inference.engine.sequence import RequestOutput, SamplingParams, Sequence
+from inference.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    prompt_tokens: int = 0  # of admitted requests
+    computed_tokens: int = 0  # tokens run through the model (prefill chunks and decodes)
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache instead
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished request of an offline `generate` call."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+    logprobs: tuple = field(default=(), repr=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer: Tokenizer | None = None):
+        self.config = config
+        if model is None:
+            device = resolve_device(config.device)
+            model, source = load_model(config.model, resolve_dtype(config.dtype, device), device)
+            tokenizer = tokenizer or Tokenizer.load(source)
+            self.model_name = source.name
+        else:
+            self.model_name = config.model
+        self.model = model
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (config.block_size * mc.kv_bytes_per_token(model.dtype)))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, seed=config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.counters = Counters()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Validate and queue a request. Raises InvalidRequestError; never half-adds."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        if request_id in self.requests:
+            raise DuplicateRequestError(request_id)
+        token_ids = self._prompt_tokens(prompt)
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
+                f"({len(token_ids)} in the prompt, {params.max_tokens} for the completion)",
+                param="max_tokens" if len(token_ids) < self.max_model_len else "prompt",
+                code="context_length_exceeded",
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"{total} tokens need more KV cache than this engine has "
+                f"({self.block_manager.num_blocks * self.block_manager.block_size} tokens)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = self.tokenizer.detokenizer()
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(token_ids)
+        return seq
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: send token ids", param="prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are free before the next step. None if unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        self.counters.aborted_requests += 1
+        return self._output(seq, (), "", finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        schedule = self.scheduler.schedule()
+        sampled = self.runner.run(schedule) if schedule.scheduled else []
+        return self._postprocess(schedule, sampled)
+
+    def _postprocess(self, schedule, sampled: list[SampledToken]) -> list[RequestOutput]:
+        c = self.counters
+        c.steps += 1
+        c.computed_tokens += schedule.num_batched_tokens
+        c.prefix_hit_tokens += schedule.num_prefix_hit_tokens
+        for item in schedule.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.commit_computed(item.seq)
+        outputs = []
+        for s in sampled:
+            seq = s.seq
+            seq.append_token(s.token_id)
+            c.generated_tokens += 1
+            if s.logprob is not None:
+                seq.pending_logprobs.append(s.logprob)
+            reason = self._stop_reason(seq, s.token_id)
+            text, reason = self._text_delta(seq, s.token_id, reason)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+                c.finished_requests += 1
+            outputs.append(self._output(seq, (s.token_id,), text, finished=reason is not None))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if token_id in seq.eos_token_ids or token_id in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _text_delta(self, seq: Sequence, token_id: int, reason: str | None) -> tuple[str, str | None]:
+        """Text to release for this token, holding back what could still become a stop string."""
+        detok = seq.detokenizer
+        if detok is None:
+            return "", reason
+        is_stop_token = token_id in seq.eos_token_ids or token_id in seq.params.stop_token_ids
+        if not is_stop_token:
+            detok.push((token_id,))
+        if reason is not None:
+            detok.flush()
+        text, sent = detok.text, seq.text_sent
+        stops = seq.params.stop
+        end = len(text)
+        if stops:
+            window = max(0, sent - max(len(s) for s in stops) + 1)
+            hits = [(i, s) for s in stops if (i := text.find(s, window)) != -1]
+            if hits:
+                i, s = min(hits)
+                end = i + len(s) if seq.params.include_stop_str_in_output else i
+                reason = "stop"
+            elif reason is None:
+                end -= max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        delta = text[sent:end] if end > sent else ""
+        seq.text_sent = max(sent, end)
+        return delta, reason
+
+    def _output(self, seq: Sequence, token_ids: tuple[int, ...], text: str, finished: bool) -> RequestOutput:
+        logprobs = tuple(seq.pending_logprobs)
+        seq.pending_logprobs.clear()
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            logprobs=logprobs,
+        )
+
+    # -- offline use and introspection ---------------------------------------------------------
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Run every prompt to completion; results in the order of `prompts`."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
+        seqs = [self.add_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params_list)]
+        texts = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        while any(not s.is_finished for s in seqs):
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                logprobs[out.request_id].extend(out.logprobs)
+        return [
+            Completion(
+                request_id=s.request_id,
+                prompt_token_ids=tuple(s.prompt_token_ids),
+                token_ids=tuple(s.output_token_ids),
+                text="".join(texts[s.request_id]),
+                finish_reason=s.finish_reason,
+                num_cached_tokens=s.num_cached_tokens,
+                logprobs=tuple(logprobs[s.request_id]),
+            )
+            for s in seqs
+        ]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        c = self.counters
+        return {
+            "blocks_total": bm.num_blocks,
+            "blocks_free": bm.num_free_blocks,
+            "blocks_used": bm.num_used_blocks,
+            "blocks_cached": bm.num_cached_blocks,
+            "block_size": bm.block_size,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": c.steps,
+            "prompt_tokens": c.prompt_tokens,
+            "computed_tokens": c.computed_tokens,
+            "prefix_hit_tokens": c.prefix_hit_tokens,
+            "generated_tokens": c.generated_tokens,
+            "finished_requests": c.finished_requests,
+            "aborted_requests": c.aborted_requests,
+        }

@@ -1,0 +1,26 @@
+"""Typed errors the engine raises at its boundary.
+
+Each carries the request parameter at fault so the API can answer in the OpenAI
+error shape without guessing.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request can never be served as given (bad parameter, prompt too long...)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class DuplicateRequestError(InvalidRequestError):
+    def __init__(self, request_id: str):
+        super().__init__(f"request id {request_id!r} is already in flight", param="request_id", code="duplicate_request_id")

@@ -1,0 +1,94 @@
+"""Turns a scheduled batch into flat tensors, runs the model and samples.
+
+The schedule is all the runner sees. Sequences with a single new token go first,
+so attention can treat them as one batched decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.engine.models.llama import LlamaModel
+from inference.engine.sampler import sample
+from inference.engine.scheduler import ScheduledSeq, SchedulerOutput
+from inference.engine.sequence import Sequence, TokenLogprob
+from kernels import PagedAttentionMetadata
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        # One allocation for the whole cache: [layers, k/v, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=self.device
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def run(self, schedule: SchedulerOutput) -> list[SampledToken]:
+        seqs, logits = self.compute_logits(schedule)
+        if not seqs:
+            return []
+        tokens, logprobs = sample(logits, seqs, self.generator)
+        return [SampledToken(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs)]
+
+    def compute_logits(self, schedule: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
+        """Run the model on the schedule; logits ([n, vocab], fp32) only for sequences that sample."""
+        items = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        inputs, ends = self._prepare(items)
+        hidden = self.model(*inputs)
+        sampling = [i for i, s in enumerate(items) if s.samples]
+        if not sampling:
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        idx = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
+        return [items[i].seq for i in sampling], self.model.compute_logits(hidden[idx])
+
+    def _prepare(self, items: list[ScheduledSeq]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for item in items:
+            seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )
+        inputs = (
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            meta,
+            self.kv_caches,
+        )
+        return inputs, starts[1:]

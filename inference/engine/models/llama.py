@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) over a flat ragged batch.
+
+All tokens of a step (prefill chunks of some sequences, one decode token of
+others) travel as one `[num_tokens, hidden]` tensor. Keys and values are written
+into the paged cache through the slot mapping and read back through block tables;
+every hot operation goes through `kernels`' dispatcher.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import PagedAttentionMetadata
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "llama"
+
+    @classmethod
+    def from_hf(cls, cfg: dict, name: str = "llama") -> ModelConfig:
+        """From a Hugging Face `config.json` of a Llama, Qwen2, Mistral or SmolLM model."""
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        params = cfg.get("rope_parameters")  # transformers 5 folds theta and scaling in here
+        if params:
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta or 10000.0,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 has biases on q/k/v without saying so in its config.
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            name=name,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, stretch low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope scaling {kind!r} is not supported (default, linear and llama3 are)")
+
+
+class LlamaModel(torch.nn.Module):
+    """Weights in Hugging Face names, with q/k/v and gate/up fused into one matmul each."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                t = tensors[name]
+            except KeyError:
+                raise ValueError(f"weight {name!r} missing from the checkpoint") from None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
+        self.norm = take("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            layer = {
+                "input_norm": take(p + "input_layernorm.weight"),
+                "qkv": torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]),
+                "o": take(attn + "o_proj.weight"),
+                "post_norm": take(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                "down": take(p + "mlp.down_proj.weight"),
+                "qkv_bias": None,
+            }
+            if config.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(layer)
+
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2], fp32 as in transformers
+        self.rope_cos = freqs.cos().to(device)
+        self.rope_sin = freqs.sin().to(device)
+        self.scale = config.head_dim**-0.5
+        self._split = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim] + [
+            config.num_kv_heads * config.head_dim
+        ]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        slot_mapping: torch.Tensor,  # [num_tokens]
+        meta: PagedAttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_blocks, block_size, kv_heads, head_dim]
+    ) -> torch.Tensor:
+        cfg = self.config
+        n = input_ids.shape[0]
+        eps = cfg.rms_norm_eps
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        hidden = self.embed[input_ids]  # [num_tokens, hidden]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                x = kernels.rms_norm(hidden, layer["input_norm"], eps)
+            else:
+                x, residual = kernels.add_rms_norm(hidden, residual, layer["input_norm"], eps)
+            q, k, v = F.linear(x, layer["qkv"], layer["qkv_bias"]).split(self._split, dim=-1)
+            q = kernels.apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = kernels.apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            kernels.write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, slot_mapping)
+            attn = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            hidden = F.linear(attn.view(n, -1), layer["o"])
+            x, residual = kernels.add_rms_norm(hidden, residual, layer["post_norm"], eps)
+            hidden = F.linear(kernels.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+        out, _ = kernels.add_rms_norm(hidden, residual, self.norm, eps)
+        return out
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_sampling, hidden] -> [num_sampling, vocab] in fp32 for the sampler
+        return F.linear(hidden, self.lm_head).float()
+
+
+def random_tensors(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random weights of the given shape in Hugging Face names: tiny models for fast tests."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    h, d = config.hidden_size, config.head_dim
+    t = {
+        "model.embed_tokens.weight": rnd(config.vocab_size, h),
+        "model.norm.weight": 1 + rnd(h),
+    }
+    if not config.tie_word_embeddings:
+        t["lm_head.weight"] = rnd(config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + rnd(h)
+        t[p + "post_attention_layernorm.weight"] = 1 + rnd(h)
+        t[p + "self_attn.q_proj.weight"] = rnd(config.num_heads * d, h)
+        t[p + "self_attn.k_proj.weight"] = rnd(config.num_kv_heads * d, h)
+        t[p + "self_attn.v_proj.weight"] = rnd(config.num_kv_heads * d, h)
+        t[p + "self_attn.o_proj.weight"] = rnd(h, config.num_heads * d)
+        if config.attention_bias:
+            t[p + "self_attn.q_proj.bias"] = rnd(config.num_heads * d)
+            t[p + "self_attn.k_proj.bias"] = rnd(config.num_kv_heads * d)
+            t[p + "self_attn.v_proj.bias"] = rnd(config.num_kv_heads * d)
+        t[p + "mlp.gate_proj.weight"] = rnd(config.intermediate_size, h)
+        t[p + "mlp.up_proj.weight"] = rnd(config.intermediate_size, h)
+        t[p + "mlp.down_proj.weight"] = rnd(h, config.intermediate_size)
+    return t

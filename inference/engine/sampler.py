@@ -1,0 +1,95 @@
+"""From the logits of a step to one next token per sequence.
+
+Order of processing, per row: repetition / presence / frequency penalties, then
+logprobs are read (the model's distribution after penalties, before temperature),
+then greedy rows take the argmax and the others go through temperature, top-k,
+top-p and min-p before a draw. Each seeded request draws from its own generator,
+so its text does not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference.engine.sequence import Sequence, TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place, only on the rows whose request asked for a penalty."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if not p.needs_penalties:
+            continue
+        device = logits.device
+        if p.repetition_penalty != 1:
+            # transformers' rule: divide positive logits, multiply negative ones.
+            seen = torch.tensor(seq.token_ids, device=device).unique()
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            out = torch.tensor(seq.output_token_ids, device=device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on rows that sample; returns probabilities."""
+    device = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], device=device, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_ks = [s.params.top_k for s in seqs]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device).clamp(max=vocab)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_ps = [s.params.top_p for s in seqs]
+    if any(p < 1 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        p = torch.tensor(top_ps, device=device, dtype=cum.dtype)
+        # Drop a token when the tokens before it already reach top_p; the best token always stays.
+        drop = (cum - sorted_logits.softmax(-1)) >= p[:, None]
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    min_ps = [s.params.min_p for s in seqs]
+    if any(m > 0 for m in min_ps):
+        m = torch.tensor(min_ps, device=device, dtype=probs.dtype)
+        probs = probs.masked_fill(probs < m[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list[int], list[TokenLogprob | None]]:
+    # logits: [num_seqs, vocab] fp32, one row per sequence in `seqs`
+    apply_penalties(logits, seqs)
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        tokens[idx] = logits[idx].argmax(-1)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        rows = [seqs[i] for i in sampled]
+        probs = _filter(logits[sampled], rows)
+        for j, (i, seq) in enumerate(zip(sampled, rows)):
+            # Exponential race (argmax p/q, q ~ Exp(1)) draws from p with one call on the
+            # request's own generator, so seeded draws do not depend on batch neighbours.
+            noise = torch.empty_like(probs[j]).exponential_(1.0, generator=seq.generator or generator)
+            tokens[i] = (probs[j] / noise).argmax()
+
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if wanted:
+        lp = logits[wanted].log_softmax(-1)
+        most = max(seqs[i].params.logprobs for i in wanted)
+        top_vals, top_ids = lp.topk(max(most, 1), dim=-1)
+        for j, i in enumerate(wanted):
+            n = seqs[i].params.logprobs
+            chosen = token_list[i]
+            top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+            logprobs[i] = TokenLogprob(chosen, lp[j, chosen].item(), top)
+    return token_list, logprobs

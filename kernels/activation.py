@@ -1,0 +1,18 @@
+"""SiLU-and-multiply, the SwiGLU gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import pick
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, 2 * intermediate] holding gate then up.
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x):
+    return pick(silu_and_mul_ref, None, x)(x)
