@@ -1,0 +1,105 @@
+"""Tiny random-weight Llama models and engines for fast engine tests.
+
+Weights are drawn with std 0.5 so the logits are far apart: greedy choices do not
+hinge on the last bit of a float, and batch composition cannot flip them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from inference.engine.config import EngineConfig
+from inference.engine.engine import LLMEngine
+from inference.engine.model_runner import SampledToken
+from inference.engine.models.llama import LlamaModel, ModelConfig, random_tensors
+from inference.engine.scheduler import SchedulerOutput
+from inference.engine.sequence import SamplingParams, Sequence
+
+VOCAB = 64
+TINY = ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@lru_cache(maxsize=None)
+def tiny_model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
+    # Shared between tests: the model holds no state between forward calls (the cache is the runner's).
+    return LlamaModel(config, random_tensors(config, seed, std=0.5), torch.float32, torch.device("cpu"))
+
+
+def tiny_engine(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    **overrides,
+) -> LLMEngine:
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        **overrides,
+    )
+    return LLMEngine(config, model=tiny_model())
+
+
+def make_seq(request_id: str, token_ids: list[int], salt: str | None = None, max_tokens: int = 16) -> Sequence:
+    """A bare sequence, for block-manager tests that need no engine."""
+    return Sequence(
+        request_id=request_id,
+        prompt_token_ids=list(token_ids),
+        params=SamplingParams(max_tokens=max_tokens),
+        arrival_time=0.0,
+        cache_salt=salt,
+    )
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list]:
+    """Step until idle; every RequestOutput per request id, in order."""
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def tokens_of(outputs: list) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def live_seqs(engine: LLMEngine) -> list[Sequence]:
+    return list(engine.scheduler.running) + list(engine.scheduler.waiting)
+
+
+class SumRunner:
+    """Deterministic stand-in for the model runner: next token = sum of the last 3 tokens mod vocab.
+
+    It samples exactly where the real runner does (a chunk that reaches the
+    sequence's last token) and records each schedule it was given.
+    """
+
+    def __init__(self, vocab: int = VOCAB):
+        self.vocab = vocab
+        self.schedules: list[SchedulerOutput] = []
+
+    def run(self, schedule: SchedulerOutput) -> list[SampledToken]:
+        self.schedules.append(schedule)
+        return [
+            SampledToken(item.seq, sum(item.seq.token_ids[-3:]) % self.vocab, None)
+            for item in schedule.scheduled
+            if item.samples
+        ]
