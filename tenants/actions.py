@@ -65,12 +65,10 @@ def change_tier(tenant: Tenant, tier: QuotaTier) -> Tenant:
 
 
 def update_tenant(tenant: Tenant, *, name: str, tier: QuotaTier, is_active: bool) -> Tenant:
-    with transaction.atomic():
-        tenant.name = name
-        tenant.is_active = is_active
-        tenant.save(update_fields=["name", "is_active"])
-        if tenant.tier_id != tier.pk:
-            change_tier(tenant, tier)
+    """Save all of a tenant's editable fields (the admin hands over an instance its form
+    already changed, so comparing against it would miss the change)."""
+    tenant.name, tenant.tier, tenant.is_active = name, tier, is_active
+    tenant.save(update_fields=["name", "tier", "is_active"])
     return tenant
 
 

@@ -74,9 +74,6 @@ class TenantAdmin(admin.ModelAdmin):
                 actions.update_tenant(tenant, name=tenant.name, tier=tenant.tier, is_active=False)
             _adopt(obj, tenant)
 
-    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        pass  # the key inline is read-only
-
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):

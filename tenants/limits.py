@@ -12,54 +12,51 @@ from dataclasses import dataclass
 
 import redis
 
-# GCRA (generic cell rate algorithm) over several buckets at once, all or nothing.
-# A bucket stores one number, its theoretical arrival time (TAT): the instant at which it
-# would be full again. With `limit` units per `period`, one unit costs period/limit of
-# TAT; a cost is admitted while the new TAT stays within one period of now. A cost of 0
-# reads the bucket without changing it.
-# KEYS: the buckets. ARGV: period_ms, then (limit, cost) per bucket.
+# Token buckets over several limits at once, all or nothing. A bucket stores its level
+# (units used and not yet drained) and when it was written; it drains at limit/period.
+# Storing units rather than a theoretical arrival time (GCRA) lets a tier change apply at
+# once: the level is still the tenant's recent use, measured against the new limit.
+# KEYS: the buckets. ARGV: period_ms, then (limit, cost) per bucket; a cost of 0 only reads.
 # Returns: admitted, then per bucket (remaining, retry_after_ms, reset_ms);
 # retry_after_ms is -1 when the cost can never fit.
-_GCRA = """
+_TOKEN_BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local period = tonumber(ARGV[1])
--- A request within a millisecond of its slot is admitted: this absorbs the rounding of
--- floating-point TATs, so N simultaneous requests against a limit of N all pass.
-local slack = 1
 local admitted = 1
 local rows = {}
 for i = 1, #KEYS do
   local limit = tonumber(ARGV[2 * i])
   local cost = tonumber(ARGV[2 * i + 1])
-  local interval = period / limit
-  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-  if tat < now then tat = now end
-  local new_tat = tat + cost * interval
+  local rate = limit / period
+  local level = 0
+  local stored = redis.call('GET', KEYS[i])
+  if stored then
+    local sep = string.find(stored, ' ')
+    local old, at = tonumber(string.sub(stored, 1, sep - 1)), tonumber(string.sub(stored, sep + 1))
+    -- Clamped so a downgrade never makes a tenant wait longer than one period.
+    level = math.min(limit, math.max(0, old - (now - at) * rate))
+  end
   local retry = 0
   if cost > limit then
     retry = -1
-  elseif new_tat - period - now > slack then
-    retry = math.ceil(new_tat - period - now)
+  elseif level + cost - limit > 1e-9 then
+    retry = math.ceil((level + cost - limit) / rate)
   end
   if retry ~= 0 then admitted = 0 end
-  rows[i] = {tat, new_tat, interval, retry}
+  rows[i] = {level, cost, rate, retry}
 end
 local out = {admitted}
 for i = 1, #KEYS do
-  local tat, new_tat, interval, retry = rows[i][1], rows[i][2], rows[i][3], rows[i][4]
-  local after = tat
-  if admitted == 1 then
-    after = new_tat
-    if new_tat > tat then
-      redis.call('SET', KEYS[i], string.format('%.17g', new_tat), 'PX', math.ceil(new_tat - now) + 1)
-    end
+  local level, cost, rate, retry = rows[i][1], rows[i][2], rows[i][3], rows[i][4]
+  local limit = tonumber(ARGV[2 * i])
+  if admitted == 1 and cost > 0 then
+    level = level + cost
+    redis.call('SET', KEYS[i], string.format('%.17g %.17g', level, now), 'PX', math.ceil(level / rate) + 1)
   end
-  local remaining = math.floor((period - (after - now)) / interval + 1e-9)
-  if remaining < 0 then remaining = 0 end
-  table.insert(out, remaining)
+  table.insert(out, math.max(0, math.floor(limit - level + 1e-9)))
   table.insert(out, retry)
-  table.insert(out, math.ceil(after - now))
+  table.insert(out, math.ceil(level / rate))
 end
 return out
 """
@@ -172,7 +169,7 @@ class Limiter:
     def __init__(self, client: redis.Redis, namespace: str = "limits") -> None:
         self.client = client
         self.namespace = namespace
-        self._gcra = client.register_script(_GCRA)
+        self._bucket = client.register_script(_TOKEN_BUCKET)
         self._lease_acquire = client.register_script(_LEASE_ACQUIRE)
         self._lease_renew = client.register_script(_LEASE_RENEW)
         self._counter_add = client.register_script(_COUNTER_ADD)
@@ -192,7 +189,7 @@ class Limiter:
             if limit <= 0:
                 raise ValueError(f"limit for {name!r} must be positive, got {limit}")
             args += [limit, cost]
-        reply = self._gcra(keys=[self.key(scope, n) for n in names], args=args)
+        reply = self._bucket(keys=[self.key(scope, n) for n in names], args=args)
         buckets = tuple(
             BucketState(
                 name=name,
