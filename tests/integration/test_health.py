@@ -1,0 +1,43 @@
+"""Probes: /healthz answers while the process is up; /readyz only when its dependencies do."""
+import pytest
+
+pytestmark = pytest.mark.django_db
+
+
+def test_healthz_needs_nothing_but_the_process(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_readyz_reports_database_redis_and_engine(client, redis):
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json() == {
+        "status": "ready",
+        "checks": {"database": "ok", "redis": "ok", "engine": "not started"},
+    }
+
+
+def test_readyz_is_503_while_redis_is_unreachable(client):
+    response = client.get("/readyz")  # no `redis` fixture: settings point at a closed port
+    assert response.status_code == 503
+    assert response.json()["checks"]["redis"] == "unavailable"
+
+
+def test_models_lists_the_configured_model_in_the_openai_shape(client, redis, settings):
+    from tenants import actions
+    from tenants.models import QuotaTier
+
+    issued = actions.issue_key(actions.create_tenant("acme", QuotaTier.objects.get(name="standard")))
+    response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {issued.plaintext}")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [
+        ("SmolLM2-135M-Instruct", "model", "platform")
+    ]
+    settings.INFERENCE = {**settings.INFERENCE, "MODEL": "/models/Qwen2-0.5B.gguf"}
+    response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {issued.plaintext}")
+    assert [m["id"] for m in response.json()["data"]] == ["Qwen2-0.5B"]
+    assert client.get("/v1/models").status_code == 401

@@ -1,0 +1,113 @@
+"""Limits as an API client sees them: status, headers and body of every refusal."""
+from datetime import datetime, timezone as dt_timezone
+
+import pytest
+
+from tenants import actions, errors, quota
+
+pytestmark = pytest.mark.django_db
+
+
+def test_every_authenticated_request_counts_and_the_refusal_says_when_to_retry(make_tier, make_tenant, client_for):
+    tenant, issued = make_tenant("acme", make_tier(requests_per_minute=2, tokens_per_minute=1000))
+    client = client_for(issued.plaintext)
+    first, second = client.get("/v1/models"), client.get("/v1/models")
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert first["x-ratelimit-limit-requests"] == "2"
+    assert (first["x-ratelimit-remaining-requests"], second["x-ratelimit-remaining-requests"]) == ("1", "0")
+    assert first["x-ratelimit-limit-tokens"] == "1000"
+    assert first["x-ratelimit-remaining-tokens"] == "1000"
+
+    refused = client.get("/v1/models")
+    assert refused.status_code == 429
+    # Two requests against 2/min: the next slot opens 30 s after the first one.
+    assert 29 <= int(refused["Retry-After"]) <= 30
+    assert refused["x-ratelimit-limit-requests"] == "2"
+    assert refused["x-ratelimit-remaining-requests"] == "0"
+    assert refused["x-ratelimit-reset-requests"] in ("59s", "1m0s")
+    assert refused["x-ratelimit-limit-tokens"] == "1000"
+    assert refused["x-ratelimit-remaining-tokens"] == "1000"
+    assert refused["x-ratelimit-reset-tokens"] == "0ms"
+    body = refused.json()
+    assert set(body) == {"error"}
+    assert body["error"]["type"] == "requests"
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert body["error"]["param"] is None
+    assert "requests per minute" in body["error"]["message"]
+
+
+def test_a_refused_request_is_not_counted_as_admitted_and_a_tier_change_applies_at_once(
+    make_tier, make_tenant, client_for
+):
+    tenant, issued = make_tenant("acme", make_tier(requests_per_minute=1))
+    client = client_for(issued.plaintext)
+    assert client.get("/v1/models").status_code == 200
+    assert client.get("/v1/models").status_code == 429
+    actions.change_tier(tenant, make_tier("bigger", requests_per_minute=600))
+    assert client.get("/v1/models").status_code == 200
+
+
+def test_an_unreachable_redis_refuses_with_503_instead_of_serving_unmetered(make_tenant, client_for, settings):
+    _, issued = make_tenant("acme")
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    response = client_for(issued.plaintext).get("/v1/models")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "service_unavailable"
+    assert response["Retry-After"] == "1"
+
+
+def test_token_admission_checks_max_tokens_tokens_per_minute_and_the_monthly_budget(make_tier, make_tenant):
+    tenant, _ = make_tenant("acme", make_tier(tokens_per_minute=100, max_tokens_per_request=50,
+                                              monthly_token_budget=120))
+    with pytest.raises(errors.ApiError) as too_long:
+        quota.admit_tokens(tenant, prompt_tokens=10, max_tokens=51)
+    assert (too_long.value.status, too_long.value.param) == (400, "max_tokens")
+
+    assert quota.admit_tokens(tenant, prompt_tokens=30, max_tokens=40).bucket("tokens").remaining == 30
+    with pytest.raises(errors.ApiError) as per_minute:
+        quota.admit_tokens(tenant, prompt_tokens=1, max_tokens=40)
+    assert (per_minute.value.status, per_minute.value.type) == (429, "tokens")
+    assert 0 < int(per_minute.value.headers["Retry-After"]) <= 7
+
+    actions.record_usage(tenant, lane=1, prompt_tokens=30, completion_tokens=95)
+    assert quota.monthly_tokens_used(tenant) == 125
+    with pytest.raises(errors.ApiError) as budget:
+        quota.check_monthly_budget(tenant)
+    assert (budget.value.status, budget.value.code) == (429, "insufficient_quota")
+
+
+def test_monthly_usage_is_rebuilt_from_the_database_when_redis_lost_it(make_tenant, redis):
+    tenant, _ = make_tenant("acme")
+    actions.record_usage(tenant, lane=1, prompt_tokens=10, completion_tokens=20)
+    actions.record_usage(tenant, lane=1, prompt_tokens=1, completion_tokens=2)
+    redis.flushall()
+    assert quota.monthly_tokens_used(tenant) == 33
+    actions.record_usage(tenant, lane=1, prompt_tokens=0, completion_tokens=7)
+    assert quota.monthly_tokens_used(tenant) == 40
+
+
+def test_the_monthly_budget_refusal_waits_until_the_next_month(make_tier, make_tenant):
+    tenant, _ = make_tenant("acme", make_tier(monthly_token_budget=10))
+    late_january = datetime(2030, 1, 31, 23, 0, tzinfo=dt_timezone.utc)
+    assert quota.monthly_tokens_used(tenant, late_january) == 0
+    quota.charge_monthly_tokens(tenant, 10, late_january)
+    with pytest.raises(errors.ApiError) as refused:
+        quota.check_monthly_budget(tenant, late_january)
+    assert refused.value.headers["Retry-After"] == "3600"
+
+
+def test_concurrent_streams_are_leased_per_tenant(make_tier, make_tenant):
+    tenant, _ = make_tenant("acme", make_tier(concurrent_streams=1))
+    lease = quota.open_stream(tenant)
+    with pytest.raises(errors.ApiError) as refused:
+        quota.open_stream(tenant)
+    assert (refused.value.status, refused.value.type) == (429, "streams")
+    quota.close_stream(lease)
+    quota.close_stream(quota.open_stream(tenant))
+
+
+@pytest.mark.parametrize(
+    "seconds, text", [(0.0, "0ms"), (0.12, "120ms"), (1.0, "1s"), (59.2, "1m0s"), (360, "6m0s"), (3723, "1h2m3s")]
+)
+def test_reset_durations_use_openais_format(seconds, text):
+    assert errors.format_reset(seconds) == text
