@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from inference.engine.block_manager import BlockManager
-from tests.engine.tiny import make_seq
+from tests.engine.tiny import make_seq, one_thread
 
 NUM_BLOCKS = 8
 BS = 4
+
+assert one_thread  # an autouse fixture: importing it is what applies it here
 
 
 @pytest.fixture

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from inference.engine.sequence import SamplingParams, SequenceStatus
-from tests.engine.tiny import VOCAB, SumRunner, live_seqs, run_to_completion, tiny_engine, tokens_of
+from tests.engine.tiny import VOCAB, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
+
+assert one_thread  # an autouse fixture: importing it is what applies it here
 
 
 def expected_output(prompt: list[int], n: int) -> list[int]:
