@@ -123,9 +123,9 @@ CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL
 # An unacknowledged task is redelivered after this long, so no countdown, ETA or task run
 # may exceed it. The broker and the result backend must agree on it.
-CELERY_VISIBILITY_TIMEOUT_S = env.int("CELERY_VISIBILITY_TIMEOUT_S", default=6 * 3600)
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S}
-CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S}
+_visibility_timeout_s = env.int("CELERY_VISIBILITY_TIMEOUT_S", default=6 * 3600)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": _visibility_timeout_s}
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"visibility_timeout": _visibility_timeout_s}
 CELERY_TASK_ACKS_LATE = True
 # acks_late alone leaves a task acknowledged when its worker process is killed.
 CELERY_TASK_REJECT_ON_WORKER_LOST = True

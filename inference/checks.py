@@ -21,9 +21,11 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
         problems.append(Error(f"INFERENCE_DEVICE must be one of {', '.join(DEVICES)}.", id="inference.E002"))
     if conf["DTYPE"] not in DTYPES:
         problems.append(Error(f"INFERENCE_DTYPE must be one of {', '.join(DTYPES)}.", id="inference.E003"))
-    for name in ("KV_CACHE_BYTES", "SWAP_BYTES", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS"):
-        if conf[name] is not None and conf[name] < (0 if name == "SWAP_BYTES" else 1):
+    for name in ("KV_CACHE_BYTES", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS"):
+        if conf[name] < 1:
             problems.append(Error(f"INFERENCE_{name} must be positive.", id="inference.E004"))
+    if conf["SWAP_BYTES"] < 0:
+        problems.append(Error("INFERENCE_SWAP_BYTES must not be negative.", id="inference.E004"))
     if conf["AGING_S"] <= 0:
         problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
     return problems
