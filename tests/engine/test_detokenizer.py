@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.engine.loader import resolve_source
 from inference.engine.tokenizer import Tokenizer
+from tests.engine.tiny import smol_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.load(resolve_source("SmolLM2-135M-Instruct"))
+    return smol_tokenizer()
 
 
 def stream(tok: Tokenizer, token_ids: list[int]) -> list[str]:

@@ -13,7 +13,17 @@ from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError
 from inference.engine.sequence import SamplingParams
-from tests.engine.tiny import GREEDY, TINY, VOCAB, one_thread, run_to_completion, tiny_engine, tiny_model, tokens_of
+from tests.engine.tiny import (
+    GREEDY,
+    TINY,
+    VOCAB,
+    one_thread,
+    run_to_completion,
+    smol_tokenizer,
+    tiny_engine,
+    tiny_model,
+    tokens_of,
+)
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
 
@@ -161,6 +171,20 @@ def test_an_evicted_prefix_is_recomputed_to_the_same_tokens():
     outputs = run_to_completion(engine)
     assert engine.stats()["prefix_hit_tokens"] == before["prefix_hit_tokens"]
     assert tokens_of(outputs["again"]) == expected
+
+
+def test_requests_sharing_a_prompt_in_the_same_step_get_their_own_answers():
+    prompt = random_prompts(1, seed=14, min_len=37, max_len=37)[0]
+    params = greedy(6)
+    variants = {"twin-1": prompt, "twin-2": prompt, "longer": prompt + [1, 2, 3, 4, 5, 6], "shorter": prompt[:20]}
+    engine = tiny_engine(num_blocks=64, block_size=4, max_num_batched_tokens=256)
+    for rid, p in variants.items():
+        engine.add_request(rid, p, params)
+    outputs = run_to_completion(engine)
+    for rid, p in variants.items():
+        assert tokens_of(outputs[rid]) == alone(p, params), rid
+    assert engine.stats()["blocks_free"] == 64
+    engine.block_manager.check_invariants([])
 
 
 def test_different_cache_salts_share_no_block():
@@ -378,3 +402,44 @@ def test_stats_count_what_happened():
     assert s["finished_requests"] == 2
     assert s["running"] == s["waiting"] == 0
     assert s["blocks_free"] == s["blocks_total"] == 64
+
+
+# -- text and stop strings (the real SmolLM2 tokenizer over a tiny model of its vocabulary) ------
+
+
+@lru_cache(maxsize=None)
+def _text_model():
+    tok = smol_tokenizer()
+    config = dataclasses.replace(TINY, vocab_size=tok.vocab_size, num_layers=1)
+    return tiny_model(0, config), tok
+
+
+def _text_engine() -> LLMEngine:
+    model, tok = _text_model()
+    return LLMEngine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8), model=model, tokenizer=tok)
+
+
+def _stream_text(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams):
+    engine.add_request(request_id, prompt, params)
+    outputs = run_to_completion(engine)[request_id]
+    return "".join(o.new_text for o in outputs), outputs
+
+
+def test_streamed_text_adds_up_to_the_decoded_tokens():
+    engine = _text_engine()
+    text, outputs = _stream_text(engine, "t", "Hello there", greedy(30))
+    _, tok = _text_model()
+    assert text == tok.decode(tokens_of(outputs))
+    assert len(text) > 30
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_the_request_and_is_cut_from_the_text(include):
+    free_text, _ = _stream_text(_text_engine(), "free", "Hello there", greedy(30))
+    stop = free_text[40:46]  # six characters well inside the text, likely across a token boundary
+    cut = free_text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+    text, outputs = _stream_text(_text_engine(), "stopped", "Hello there", params)
+    assert text == free_text[: cut + (len(stop) if include else 0)]
+    assert outputs[-1].finished and outputs[-1].finish_reason == "stop"
+    assert len(tokens_of(outputs)) < 30

@@ -13,10 +13,12 @@ import torch
 
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
+from inference.engine.loader import resolve_source
 from inference.engine.model_runner import SampledToken
 from inference.engine.models.llama import LlamaModel, ModelConfig, random_tensors
 from inference.engine.scheduler import SchedulerOutput
 from inference.engine.sequence import SamplingParams, Sequence
+from inference.engine.tokenizer import Tokenizer
 
 VOCAB = 64
 TINY = ModelConfig(
@@ -51,6 +53,12 @@ def one_thread():
 def tiny_model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
     # Shared between tests: the model holds no state between forward calls (the cache is the runner's).
     return LlamaModel(config, random_tensors(config, seed, std=0.5), torch.float32, torch.device("cpu"))
+
+
+@lru_cache(maxsize=None)
+def smol_tokenizer() -> Tokenizer:
+    """The real SmolLM2 tokenizer (seconds to load), shared by every test that needs text."""
+    return Tokenizer.load(resolve_source("SmolLM2-135M-Instruct"))
 
 
 def tiny_engine(
