@@ -11,6 +11,15 @@ from tenants import actions
 from tenants.models import ApiKey, QuotaTier, Tenant, UsageRecord
 
 
+class NoDeleteAdmin(admin.ModelAdmin):
+    """Rows here are deactivated or revoked through `tenants.actions`, never deleted from a
+    page: usage records and keys must keep pointing at the tenant they belong to."""
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+
 def _adopt(obj: Any, saved: Any) -> None:
     """Make the admin's unsaved form instance the row an action saved, so the admin's
     logging and redirects see the real primary key."""
@@ -20,7 +29,7 @@ def _adopt(obj: Any, saved: Any) -> None:
 
 
 @admin.register(QuotaTier)
-class QuotaTierAdmin(admin.ModelAdmin):
+class QuotaTierAdmin(NoDeleteAdmin):
     list_display = [
         "name", "lane", "requests_per_minute", "tokens_per_minute", "concurrent_streams",
         "max_tokens_per_request", "monthly_token_budget", "allow_batch", "isolate_prefix_cache",
@@ -31,17 +40,8 @@ class QuotaTierAdmin(admin.ModelAdmin):
         return ["name"] if obj else []
 
     def save_model(self, request: HttpRequest, obj: QuotaTier, form: Any, change: bool) -> None:
-        fields = {
-            "lane": obj.lane,
-            "requests_per_minute": obj.requests_per_minute,
-            "tokens_per_minute": obj.tokens_per_minute,
-            "concurrent_streams": obj.concurrent_streams,
-            "max_tokens_per_request": obj.max_tokens_per_request,
-            "monthly_token_budget": obj.monthly_token_budget,
-            "allow_batch": obj.allow_batch,
-            "isolate_prefix_cache": obj.isolate_prefix_cache,
-        }
-        tier, _ = actions.save_tier(obj.name, **fields)
+        limits = {f.name: getattr(obj, f.name) for f in QuotaTier._meta.concrete_fields if f.name not in ("id", "name")}
+        tier, _ = actions.save_tier(obj.name, **limits)
         _adopt(obj, tier)
 
 
@@ -58,7 +58,7 @@ class ApiKeyInline(admin.TabularInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(NoDeleteAdmin):
     list_display = ["name", "tier", "is_active", "created"]
     list_filter = ["tier", "is_active"]
     search_fields = ["name"]
@@ -76,7 +76,7 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(NoDeleteAdmin):
     list_display = ["__str__", "tenant", "created", "last_used", "expires", "revoked"]
     list_filter = ["tenant"]
     search_fields = ["prefix", "name", "tenant__name"]
@@ -123,7 +123,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(NoDeleteAdmin):
     list_display = ["created", "tenant", "model", "lane", "prompt_tokens", "completion_tokens", "finish_reason"]
     list_filter = ["tenant", "lane", "finish_reason"]
     date_hierarchy = "created"
@@ -134,5 +134,3 @@ class UsageRecordAdmin(admin.ModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

@@ -62,3 +62,10 @@ def test_every_admin_list_page_renders(admin_client, make_tenant):
         response = admin_client.get(path)
         assert response.status_code == 200, path
         assert issued.plaintext not in response.content.decode()
+
+
+def test_the_admin_deletes_nothing_it_can_revoke_or_deactivate_instead(admin_client, make_tenant):
+    tenant, issued = make_tenant("acme")
+    for path in (f"/admin/tenants/tenant/{tenant.pk}/delete/", f"/admin/tenants/apikey/{issued.api_key.pk}/delete/",
+                 f"/admin/tenants/quotatier/{tenant.tier.pk}/delete/"):
+        assert admin_client.get(path).status_code == 403, path
