@@ -1,6 +1,9 @@
 """Probes: /healthz answers while the process is up; /readyz only when its dependencies do."""
 import pytest
 
+from tenants import actions
+from tenants.models import QuotaTier
+
 pytestmark = pytest.mark.django_db
 
 
@@ -26,9 +29,6 @@ def test_readyz_is_503_while_redis_is_unreachable(client):
 
 
 def test_models_lists_the_configured_model_in_the_openai_shape(client, redis, settings):
-    from tenants import actions
-    from tenants.models import QuotaTier
-
     issued = actions.issue_key(actions.create_tenant("acme", QuotaTier.objects.get(name="standard")))
     response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {issued.plaintext}")
     assert response.status_code == 200

@@ -7,6 +7,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from tenants import actions, keys
 from tenants.models import ApiKey
@@ -107,8 +108,6 @@ def test_wrong_secret_with_right_prefix_is_refused(make_tenant, client_for):
 )
 def test_missing_or_malformed_keys_are_refused_in_the_openai_shape(make_tenant, client_for, header):
     make_tenant("acme")
-    from rest_framework.test import APIClient
-
     client = APIClient()
     if header:
         client.credentials(HTTP_AUTHORIZATION=header)
