@@ -24,7 +24,7 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
     # A cryptographic hash, not hash(): a collision would let one sequence (or tenant)
     # read another's keys and values.
     h = hashlib.sha256(parent or b"\0")
-    h.update((salt or "").encode() + b"\0")
+    h.update(b"\0" if salt is None else b"\1" + salt.encode() + b"\0")  # "" is a salt too, not None
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
@@ -92,20 +92,45 @@ class BlockManager:
             parent = key
         return CachedPrefix(tuple(blocks), tuple(hashes))
 
-    def commit_computed(self, seq: Sequence) -> None:
-        """Key every block of `seq` that is now full of computed tokens."""
+    def commit_blocks(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Key every block of `seq` that is full within its first `num_tokens` tokens.
+
+        The scheduler calls this for the tokens a step is about to compute, so a
+        sequence admitted later in the same step can already share those blocks:
+        each layer writes the whole batch's keys and values before any attention
+        reads them. Returns the blocks newly entered into the prefix cache.
+        """
         bs = self.block_size
         token_ids = seq.token_ids
-        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+        entered = []
+        while len(seq.block_hashes) < num_tokens // bs:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else None
             key = block_hash(parent, token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
             seq.block_hashes.append(key)
             block = seq.block_table[i]
-            # A twin computed concurrently may already own the key: keep the first one.
+            # A twin computed alongside may already own the key: keep the first one.
             if self.enable_prefix_caching and key not in self.cached and self.block_hashes[block] is None:
                 self.cached[key] = block
                 self.block_hashes[block] = key
+                entered.append(block)
+        return entered
+
+    def commit_computed(self, seq: Sequence) -> list[int]:
+        """Key every block of `seq` that is full of computed tokens."""
+        return self.commit_blocks(seq, seq.num_computed_tokens)
+
+    def forget(self, blocks) -> None:
+        """Take blocks out of the prefix cache: their contents were never computed (a failed step)."""
+        for block in blocks:
+            key = self.block_hashes[block]
+            if key is None:
+                continue
+            del self.cached[key]
+            self.block_hashes[block] = None
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
 
     # -- allocation -----------------------------------------------------------------------
 

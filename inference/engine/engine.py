@@ -155,7 +155,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         schedule = self.scheduler.schedule()
-        sampled = self.runner.run(schedule) if schedule.scheduled else []
+        try:
+            sampled = self.runner.run(schedule) if schedule.scheduled else []
+        except BaseException:
+            # Blocks keyed ahead of a compute that never happened hold garbage: unkey them.
+            self.block_manager.forget(schedule.cache_entered)
+            raise
         return self._postprocess(schedule, sampled)
 
     def _postprocess(self, schedule, sampled: list[SampledToken]) -> list[RequestOutput]:
@@ -165,7 +170,6 @@ class LLMEngine:
         c.prefix_hit_tokens += schedule.num_prefix_hit_tokens
         for item in schedule.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.commit_computed(item.seq)
         outputs = []
         for s in sampled:
             seq = s.seq

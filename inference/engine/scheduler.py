@@ -51,6 +51,7 @@ class SchedulerOutput:
     preempted: tuple[Sequence, ...]
     num_batched_tokens: int
     num_prefix_hit_tokens: int  # prompt tokens admitted this step straight from the prefix cache
+    cache_entered: tuple[int, ...] = ()  # blocks keyed ahead of this step's compute
 
     @property
     def is_empty(self) -> bool:
@@ -109,6 +110,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        entered = [b for s in scheduled for b in bm.commit_blocks(s.seq, s.start + s.num_new_tokens)]
         hit_tokens = 0
         if not preempted:  # a step that had to preempt has no room to admit anyone
             self.waiting.sort(key=self.policy.key)
@@ -127,6 +129,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 scheduled.append(ScheduledSeq(seq, cached, num_new))
+                entered += bm.commit_blocks(seq, cached + num_new)
                 budget -= num_new
 
         return SchedulerOutput(
@@ -134,6 +137,7 @@ class Scheduler:
             preempted=tuple(preempted),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             num_prefix_hit_tokens=hit_tokens,
+            cache_entered=tuple(entered),
         )
 
     def _preempt(self, seq: Sequence) -> None:
