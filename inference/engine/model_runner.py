@@ -41,7 +41,8 @@ class ModelRunner:
         seqs, logits = self.compute_logits(schedule)
         if not seqs:
             return []
-        tokens, logprobs = sample(logits, seqs, self.generator)
+        with torch.inference_mode():  # the logits are inference tensors; penalties edit them in place
+            tokens, logprobs = sample(logits, seqs, self.generator)
         return [SampledToken(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs)]
 
     def compute_logits(self, schedule: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
