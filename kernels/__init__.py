@@ -1,21 +1,56 @@
 """Hot-path operations of the engine, each with a PyTorch reference.
 
-The model calls only the functions exported here; `dispatch.py` decides which
-implementation runs. Nothing in this package imports Django or the engine.
+Every op can be called directly (`kernels.silu_and_mul(x)`, dispatched per call,
+which is what tests use) or resolved once for a device with `ops_for(device)`,
+which is what the model does: choosing per call would cost more than some ops.
+Nothing in this package imports Django or the engine.
 """
 
-from kernels.activation import silu_and_mul
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels.activation import silu_and_mul, silu_and_mul_impl
 from kernels.dispatch import backend_name
-from kernels.kv_cache import write_kv
-from kernels.paged_attention import PagedAttentionMetadata, paged_attention
-from kernels.rmsnorm import add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary
+from kernels.kv_cache import write_kv, write_kv_impl
+from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
+from kernels.rmsnorm import add_rms_norm, add_rms_norm_impl, rms_norm, rms_norm_impl
+from kernels.rotary import apply_rotary, apply_rotary_impl
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable
+    add_rms_norm: Callable
+    apply_rotary: Callable
+    silu_and_mul: Callable
+    write_kv: Callable
+    paged_attention: Callable
+
+
+def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> Ops:
+    """The implementations `KERNELS` selects for tensors on `device`, chosen now."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return Ops(
+        rms_norm=rms_norm_impl(probe),
+        add_rms_norm=add_rms_norm_impl(probe),
+        apply_rotary=apply_rotary_impl(probe),
+        silu_and_mul=silu_and_mul_impl(probe),
+        write_kv=write_kv_impl(probe),
+        paged_attention=paged_attention_impl(probe),
+    )
+
 
 __all__ = [
+    "Ops",
     "PagedAttentionMetadata",
     "add_rms_norm",
     "apply_rotary",
     "backend_name",
+    "ops_for",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",

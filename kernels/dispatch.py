@@ -1,8 +1,10 @@
-"""Chooses between a kernel's Triton implementation and its PyTorch reference.
+"""Chooses which implementation of a kernel runs.
 
-`KERNELS=reference` forces the reference, `KERNELS=triton` forces Triton (under
-`TRITON_INTERPRET=1` that runs on CPU tensors, which is how CI tests kernels),
-and the default `auto` takes Triton for CUDA tensors and the reference elsewhere.
+`KERNELS=reference` forces the PyTorch references, `KERNELS=triton` forces Triton
+(under `TRITON_INTERPRET=1` that runs on CPU tensors, which is how CI tests the
+kernels), `KERNELS=cpu` forces the compiled CPU kernels. The default `auto` takes
+Triton for CUDA tensors, the compiled CPU kernel where an op has one and it built,
+and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable
 
 import torch
 
-_CHOICES = ("auto", "reference", "triton")
+_CHOICES = ("auto", "reference", "triton", "cpu")
 
 
 def backend_name() -> str:
@@ -22,13 +24,29 @@ def backend_name() -> str:
     return choice
 
 
-def pick(reference: Callable, triton_impl: Callable | None, tensor: torch.Tensor) -> Callable:
-    """Return the implementation to run for an op whose main input is `tensor`."""
+def pick(
+    reference: Callable,
+    triton_impl: Callable | None,
+    tensor: torch.Tensor,
+    cpu_impl: Callable | None = None,
+) -> Callable:
+    """Return the implementation to run for an op whose main input is `tensor`.
+
+    `cpu_impl`, when given, returns None if the compiled CPU kernels are unavailable.
+    """
     choice = backend_name()
-    if choice == "reference" or triton_impl is None:
-        if choice == "triton" and triton_impl is None:
-            raise NotImplementedError("KERNELS=triton but this op has no Triton implementation yet")
+    if choice == "reference":
         return reference
-    if choice == "triton" or tensor.is_cuda:
-        return triton_impl
+    if choice == "triton" or (choice == "auto" and tensor.is_cuda):
+        if triton_impl is not None:
+            return triton_impl
+        if choice == "triton":
+            raise NotImplementedError(f"KERNELS=triton but {reference.__name__} has no Triton implementation yet")
+        return reference
+    if cpu_impl is not None and not tensor.is_cuda:
+        impl = cpu_impl()
+        if impl is not None:
+            return impl
+    if choice == "cpu" and cpu_impl is not None:
+        raise RuntimeError("KERNELS=cpu but the CPU kernels could not be built (see the log)")
     return reference

@@ -19,5 +19,9 @@ def write_kv_ref(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def write_kv_impl(probe: torch.Tensor):
+    return pick(write_kv_ref, None, probe)
+
+
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    pick(write_kv_ref, None, key)(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_impl(key)(key, value, k_cache, v_cache, slot_mapping)

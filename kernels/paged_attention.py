@@ -8,6 +8,7 @@ keys and values live in cache blocks listed by its row of `block_tables`, and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,17 +79,49 @@ def paged_attention_ref(
     meta: PagedAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
+    out = paged_attention_ref_prefills(q, k_cache, v_cache, meta, scale)
     nd = meta.num_decodes
     if nd:
         out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_host[:nd], scale)
-    start = nd
-    for i in range(nd, meta.num_seqs):
+    return out
+
+
+def paged_attention_ref_prefills(q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for the prefill chunks only; rows of the decodes are left unwritten."""
+    out = torch.empty_like(q)
+    start = meta.num_decodes
+    for i in range(meta.num_decodes, meta.num_seqs):
         end = start + meta.query_lens_host[i]
         out[start:end] = _prefill_ref(q[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_host[i], scale)
         start = end
     return out
 
 
+@functools.cache
+def _cpu_impl():
+    from kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None:
+        return None
+
+    def paged_attention_cpu(q, k_cache, v_cache, meta, scale):
+        # Decodes read the cache in place in C++; prefill chunks are few per step and
+        # already efficient through SDPA.
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return ext.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        out = paged_attention_ref_prefills(q, k_cache, v_cache, meta, scale)
+        if nd:
+            out[:nd] = ext.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        return out
+
+    return paged_attention_cpu
+
+
+def paged_attention_impl(probe: torch.Tensor):
+    return pick(paged_attention_ref, None, probe, cpu_impl=_cpu_impl)
+
+
 def paged_attention(q, k_cache, v_cache, meta, scale):
-    return pick(paged_attention_ref, None, q)(q, k_cache, v_cache, meta, scale)
+    return paged_attention_impl(q)(q, k_cache, v_cache, meta, scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ext
 from kernels.dispatch import pick
 
 
@@ -23,9 +24,31 @@ def add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
+_cpu_add_rms_norm = cpu_ext.op("add_rms_norm")
+
+
+def rms_norm_impl(probe: torch.Tensor):
+    fused = pick(rms_norm_ref, None, probe, cpu_impl=_cpu_add_rms_norm)
+    if fused is rms_norm_ref:
+        return rms_norm_ref
+    return lambda x, weight, eps: fused(x, x, weight, eps, False)
+
+
+def add_rms_norm_impl(probe: torch.Tensor):
+    """(rms_norm(x + residual), x + residual); the compiled kernel updates `residual` in place."""
+    fused = pick(add_rms_norm_ref, None, probe, cpu_impl=_cpu_add_rms_norm)
+    if fused is add_rms_norm_ref:
+        return add_rms_norm_ref
+
+    def add_rms_norm_cpu(x, residual, weight, eps):
+        return fused(x, residual, weight, eps, True), residual
+
+    return add_rms_norm_cpu
+
+
 def rms_norm(x, weight, eps):
-    return pick(rms_norm_ref, None, x)(x, weight, eps)
+    return rms_norm_impl(x)(x, weight, eps)
 
 
 def add_rms_norm(x, residual, weight, eps):
-    return pick(add_rms_norm_ref, None, x)(x, residual, weight, eps)
+    return add_rms_norm_impl(x)(x, residual, weight, eps)

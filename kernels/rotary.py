@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ext
 from kernels.dispatch import pick
 
 
@@ -19,5 +20,10 @@ def apply_rotary_ref(
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def apply_rotary_impl(probe: torch.Tensor):
+    """The compiled kernel rotates a contiguous `x` in place and returns it."""
+    return pick(apply_rotary_ref, None, probe, cpu_impl=cpu_ext.op("rotary"))
+
+
 def apply_rotary(x, cos, sin):
-    return pick(apply_rotary_ref, None, x)(x, cos, sin)
+    return apply_rotary_impl(x)(x, cos, sin)

@@ -103,7 +103,7 @@ def test_tied_checkpoint_has_no_lm_head_and_uses_the_embedding(tmp_path):
     assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
     model, _ = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
     assert model.config.tie_word_embeddings
-    assert torch.equal(model.lm_head, model.embed)
+    assert model.lm_head.weight is model.embed
 
 
 def test_llama3_rope_scaling_is_applied_not_ignored(tmp_path):

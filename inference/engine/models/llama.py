@@ -96,6 +96,31 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling {kind!r} is not supported (default, linear and llama3 are)")
 
 
+class Linear:
+    """y = x @ W.T + b, with W in the layout that runs fastest where it lives.
+
+    On CPU in bf16/fp16, oneDNN's prepacked weight layout (the one PyTorch's own
+    compiler uses for frozen CPU models) ran SmolLM2's matmuls 1.5-2.5x faster than
+    `F.linear` on the dev box (lm_head at 64 tokens: 3.1 ms vs 7.8 ms), with the
+    same results. fp32 keeps `F.linear`, whose numerics the parity tests pin.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+            except (RuntimeError, AttributeError):  # an older oneDNN without it: plain matmul
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class LlamaModel(torch.nn.Module):
     """Weights in Hugging Face names, with q/k/v and gate/up fused into one matmul each."""
 
@@ -113,24 +138,24 @@ class LlamaModel(torch.nn.Module):
             return t.to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
+        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"))
         self.norm = take("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            layer = {
-                "input_norm": take(p + "input_layernorm.weight"),
-                "qkv": torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]),
-                "o": take(attn + "o_proj.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                "down": take(p + "mlp.down_proj.weight"),
-                "qkv_bias": None,
-            }
-            if config.attention_bias:
-                layer["qkv_bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
-            self.layers.append(layer)
+            qkv_bias = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"]) if config.attention_bias else None
+            self.layers.append(
+                {
+                    "input_norm": take(p + "input_layernorm.weight"),
+                    "qkv": Linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                    "o": Linear(take(attn + "o_proj.weight")),
+                    "post_norm": take(p + "post_attention_layernorm.weight"),
+                    "gate_up": Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    "down": Linear(take(p + "mlp.down_proj.weight")),
+                }
+            )
 
         inv_freq = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -138,9 +163,22 @@ class LlamaModel(torch.nn.Module):
         self.rope_cos = freqs.cos().to(device)
         self.rope_sin = freqs.sin().to(device)
         self.scale = config.head_dim**-0.5
+        self.ops = kernels.ops_for(device, dtype)
         self._split = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim] + [
             config.num_kv_heads * config.head_dim
         ]
+
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.norm]
+        if self.lm_head.weight is not self.embed:
+            tensors.append(self.lm_head.weight)
+        for layer in self.layers:
+            for part in layer.values():
+                if isinstance(part, Linear):
+                    tensors += [part.weight] + ([part.bias] if part.bias is not None else [])
+                else:
+                    tensors.append(part)
+        return sum(t.numel() for t in tensors)
 
     @torch.inference_mode()
     def forward(
@@ -154,30 +192,31 @@ class LlamaModel(torch.nn.Module):
         cfg = self.config
         n = input_ids.shape[0]
         eps = cfg.rms_norm_eps
+        ops = self.ops
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         hidden = self.embed[input_ids]  # [num_tokens, hidden]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
                 residual = hidden
-                x = kernels.rms_norm(hidden, layer["input_norm"], eps)
+                x = ops.rms_norm(hidden, layer["input_norm"], eps)
             else:
-                x, residual = kernels.add_rms_norm(hidden, residual, layer["input_norm"], eps)
-            q, k, v = F.linear(x, layer["qkv"], layer["qkv_bias"]).split(self._split, dim=-1)
-            q = kernels.apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = kernels.apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            kernels.write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, slot_mapping)
-            attn = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            hidden = F.linear(attn.view(n, -1), layer["o"])
-            x, residual = kernels.add_rms_norm(hidden, residual, layer["post_norm"], eps)
-            hidden = F.linear(kernels.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
-        out, _ = kernels.add_rms_norm(hidden, residual, self.norm, eps)
+                x, residual = ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
+            q, k, v = layer["qkv"](x).split(self._split, dim=-1)
+            q = ops.apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = ops.apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            ops.write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            hidden = layer["o"](attn.view(n, -1))
+            x, residual = ops.add_rms_norm(hidden, residual, layer["post_norm"], eps)
+            hidden = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
+        out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampling, hidden] -> [num_sampling, vocab] in fp32 for the sampler
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 def random_tensors(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

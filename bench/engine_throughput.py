@@ -1,0 +1,264 @@
+"""Engine throughput and latency against transformers (and llama.cpp when installed), side by side.
+
+Everything runs in this one process on the same request list, dtype and thread
+count, with output lengths forced (ignore EOS), and is reported as ratios:
+
+  offline   64 requests (seed 0), prompts uniform 16-256 tokens, outputs uniform 16-256:
+            ours vs transformers static batching (left-padded batches, only useful
+            tokens counted) vs transformers continuous batching;
+  batch-1   a 32-token prompt and 128 new tokens: decode tokens/s and time to first
+            token, ours vs transformers `generate` (vs llama.cpp on the same GGUF file);
+  floors    this machine's memory bandwidth (batch-1 decode cannot beat weights/bandwidth)
+            and GEMM rate (batched decode cannot beat 2 * params FLOPs per token).
+
+    .venv/bin/python bench/engine_throughput.py [--dtype bfloat16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from inference.engine.config import EngineConfig, resolve_dtype  # noqa: E402
+from inference.engine.engine import LLMEngine  # noqa: E402
+from inference.engine.loader import resolve_source  # noqa: E402
+from inference.engine.sequence import SamplingParams  # noqa: E402
+
+NO_EOS = -1  # an id no token has: transformers then stops at max_new_tokens only
+
+
+def make_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 256))]
+        reqs.append((prompt, rng.randint(16, 256)))
+    return reqs
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+# -- floors ------------------------------------------------------------------------------------
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(256 * 1024**2 // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        _, t = timed(lambda: dst.copy_(src))
+        best = min(best, t)
+    return 2 * src.numel() * 4 / best / 1e9  # read + write
+
+
+def gemm_tflops(dtype: torch.dtype) -> float:
+    # The shape of a batched decode step's biggest matmul: 256 tokens x SmolLM2's MLP.
+    a = torch.randn(256, 576, dtype=dtype)
+    b = torch.randn(576, 3072, dtype=dtype)
+    a @ b
+    reps = 50
+    _, t = timed(lambda: [a @ b for _ in range(reps)])
+    return 2 * 256 * 576 * 3072 * reps / t / 1e12
+
+
+# -- ours --------------------------------------------------------------------------------------
+
+
+def ours_offline(engine: LLMEngine, reqs) -> float:
+    params = [SamplingParams(max_tokens=out, temperature=0, ignore_eos=True) for _, out in reqs]
+    completions, t = timed(lambda: engine.generate([p for p, _ in reqs], params))
+    assert all(len(c.token_ids) == out for c, (_, out) in zip(completions, reqs))
+    return sum(out for _, out in reqs) / t
+
+
+def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    engine.add_request("b1", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    start = time.perf_counter()
+    first = None
+    while engine.has_unfinished():
+        if engine.step() and first is None:
+            first = time.perf_counter()
+    total = time.perf_counter() - start
+    return (new_tokens - 1) / (total - (first - start)), first - start
+
+
+# -- transformers --------------------------------------------------------------------------------
+
+
+def load_hf(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_source("SmolLM2-135M-Instruct")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, dtype=dtype).eval()
+
+
+def hf_static(model, reqs, batch_size: int) -> float:
+    pad = model.config.pad_token_id or 0
+
+    def run():
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i : i + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            new = max(out for _, out in batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+
+    with torch.inference_mode():
+        _, t = timed(run)
+    return sum(out for _, out in reqs) / t
+
+
+def hf_continuous(model, reqs) -> float:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=NO_EOS, pad_token_id=0)
+    # On CPU transformers sizes its cache from total RAM: give it explicit sizes.
+    cb = ContinuousBatchingConfig(page_size=256, num_blocks=160, max_batch_tokens=2048)
+
+    def run():
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True, timeout=30) as manager:
+            ids = [manager.add_request(p, max_new_tokens=out, eos_token_id=NO_EOS) for p, out in reqs]
+            done = 0
+            while done < len(ids):
+                result = manager.get_result(timeout=60)
+                if result is not None and result.is_finished():
+                    done += 1
+
+    with torch.inference_mode():
+        _, t = timed(run)
+    return sum(out for _, out in reqs) / t
+
+
+def hf_batch1(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)  # warm-up
+        _, ttft = timed(lambda: model.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False))
+        _, total = timed(lambda: model.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
+    return (new_tokens - 1) / (total - ttft), ttft
+
+
+def llama_cpp_batch1(prompt: list[int], new_tokens: int, threads: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(resolve_source("SmolLM2-135M-Instruct").path), n_ctx=512, n_threads=threads, verbose=False)
+    llm.reset()
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for _ in llm.generate(prompt, temp=0.0):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+        if n == new_tokens:
+            break
+    total = time.perf_counter() - start
+    return (new_tokens - 1) / (total - (first - start)), first - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--static-batch", type=int, default=16)
+    ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' continuous batching (slowest)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    print(f"# device={device} dtype={dtype} threads={threads} torch={torch.__version__}", flush=True)
+
+    engine = LLMEngine(
+        EngineConfig(dtype=str(dtype).removeprefix("torch."), device=args.device, kv_cache_bytes=1 << 30, max_num_seqs=64, max_num_batched_tokens=2048)
+    )
+    vocab = engine.vocab_size
+    reqs = make_requests(args.requests, seed=0, vocab=vocab)
+    useful = sum(out for _, out in reqs)
+    b1_prompt = make_requests(1, seed=1, vocab=vocab)[0][0][:32]
+    params = engine.model.num_parameters()
+    weight_bytes = params * torch.finfo(dtype).bits // 8
+
+    results = {}
+    engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # warm-up
+    results["ours_offline"] = ours_offline(engine, reqs)
+    print(f"ours offline: {results['ours_offline']:.1f} tok/s", flush=True)
+    results["ours_b1_tps"], results["ours_b1_ttft"] = ours_batch1(engine, b1_prompt, 128)
+    print(f"ours batch-1: {results['ours_b1_tps']:.1f} tok/s, ttft {results['ours_b1_ttft'] * 1000:.0f} ms", flush=True)
+    del engine
+
+    model = load_hf(dtype)
+    results["hf_static"] = hf_static(model, reqs, args.static_batch)
+    print(f"transformers static: {results['hf_static']:.1f} tok/s", flush=True)
+    if not args.skip_continuous:
+        results["hf_continuous"] = hf_continuous(model, reqs)
+        print(f"transformers continuous: {results['hf_continuous']:.1f} tok/s", flush=True)
+    results["hf_b1_tps"], results["hf_b1_ttft"] = hf_batch1(model, b1_prompt, 128)
+    print(f"transformers batch-1: {results['hf_b1_tps']:.1f} tok/s, ttft {results['hf_b1_ttft'] * 1000:.0f} ms", flush=True)
+    del model
+    cpp = llama_cpp_batch1(b1_prompt, 128, threads)
+    if cpp:
+        results["llama_cpp_b1_tps"], results["llama_cpp_b1_ttft"] = cpp
+
+    bandwidth = copy_bandwidth_gbs()
+    tflops = gemm_tflops(dtype)
+    b1_floor = bandwidth * 1e9 / weight_bytes
+    batch_floor = tflops * 1e12 / (2 * params)
+    results.update(bandwidth_gbs=bandwidth, gemm_tflops=tflops, b1_floor_tps=b1_floor, batch_floor_tps=batch_floor)
+
+    rows = [
+        ("offline, 64 mixed requests", "ours", results["ours_offline"], "tok/s", batch_floor),
+        ("", "transformers static", results["hf_static"], "tok/s", batch_floor),
+    ]
+    if "hf_continuous" in results:
+        rows.append(("", "transformers continuous", results["hf_continuous"], "tok/s", batch_floor))
+    rows += [
+        ("batch-1 decode", "ours", results["ours_b1_tps"], "tok/s", b1_floor),
+        ("", "transformers generate", results["hf_b1_tps"], "tok/s", b1_floor),
+    ]
+    if cpp:
+        rows.append(("", "llama.cpp (Q4_1 weights)", results["llama_cpp_b1_tps"], "tok/s", None))
+    print(f"\n{useful} useful tokens offline; weights {weight_bytes / 1e6:.0f} MB in {dtype}; "
+          f"copy bandwidth {bandwidth:.1f} GB/s; GEMM {tflops * 1000:.0f} GFLOP/s\n")
+    print(f"| workload | engine | result | of machine floor |\n|---|---|---|---|")
+    for workload, name, value, unit, floor in rows:
+        frac = f"{value / floor:.0%}" if floor else "n/a (quantized)"
+        print(f"| {workload} | {name} | {value:.1f} {unit} | {frac} |")
+    ttft = f"{results['ours_b1_ttft'] * 1000:.0f} ms vs {results['hf_b1_ttft'] * 1000:.0f} ms"
+    print(f"| batch-1 time to first token | ours vs transformers | {ttft} | |")
+    print("\nratios:")
+    print(f"  offline vs transformers static:     {results['ours_offline'] / results['hf_static']:.2f}x")
+    if "hf_continuous" in results:
+        print(f"  offline vs transformers continuous: {results['ours_offline'] / results['hf_continuous']:.2f}x")
+    print(f"  batch-1 decode vs transformers:     {results['ours_b1_tps'] / results['hf_b1_tps']:.2f}x")
+    if cpp:
+        print(f"  batch-1 decode vs llama.cpp:        {results['ours_b1_tps'] / results['llama_cpp_b1_tps']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

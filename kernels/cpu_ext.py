@@ -1,0 +1,71 @@
+"""The CPU extension: C++ kernels compiled once per machine at first use.
+
+Decode attention in plain PyTorch must gather every sequence's blocks into a
+padded copy before attending, which on a CPU cost more than all the matmuls of a
+step; and at batch 1 the dozens of tiny ops of norms and rotary cost more than
+their arithmetic. The C++ kernels read blocks in place and fuse those ops. If the
+build fails (no compiler), `load()` returns None and the dispatcher keeps the
+PyTorch references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def _build_name() -> str:
+    # -march=native code only runs where it was built: key the build by the CPU too.
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            cpu += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    digest = hashlib.sha256(_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:12]
+    return f"llm_platform_cpu_{digest}"
+
+
+def load():
+    """The compiled module, or None when it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                os.environ.setdefault("MAX_JOBS", "2")
+                _module = build(
+                    name=_build_name(),
+                    sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            except Exception as exc:  # no compiler, no ninja, odd platform: the reference still works
+                log.warning("CPU kernels unavailable, using the PyTorch reference: %s", exc)
+                _failed = True
+    return _module
+
+
+def op(name: str):
+    """A factory for `dispatch.pick`: the compiled op, or None if the module did not build."""
+
+    def factory():
+        module = load()
+        return None if module is None else getattr(module, name)
+
+    return factory
