@@ -8,6 +8,9 @@ count, with output lengths forced (ignore EOS), and is reported as ratios:
             tokens counted) vs transformers continuous batching;
   batch-1   a 32-token prompt and 128 new tokens: decode tokens/s and time to first
             token, ours vs transformers `generate` (vs llama.cpp on the same GGUF file);
+  prefix    64 requests sharing a 512-token system prompt plus 32 tokens of their own,
+            16 new tokens each: time with the prefix cache on and off, and the share of
+            prefill tokens the cache saved;
   floors    this machine's memory bandwidth (batch-1 decode cannot beat weights/bandwidth)
             and GEMM rate (batched decode cannot beat 2 * params FLOPs per token).
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import random
 import sys
 import time
@@ -85,6 +89,20 @@ def ours_offline(engine: LLMEngine, reqs) -> float:
     return sum(out for _, out in reqs) / t
 
 
+def ours_shared_prefix(engine_factory, vocab: int) -> dict:
+    rng = random.Random(2)
+    system = [rng.randrange(100, vocab - 100) for _ in range(512)]
+    prompts = [system + [rng.randrange(100, vocab - 100) for _ in range(32)] for _ in range(64)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out = {}
+    for caching in (True, False):
+        engine = engine_factory(caching)
+        _, t = timed(lambda: engine.generate(prompts, params))
+        stats = engine.stats()
+        out["on" if caching else "off"] = {"seconds": t, "saved": stats["prefix_hit_tokens"] / stats["prompt_tokens"]}
+    return out
+
+
 def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     engine.add_request("b1", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
     start = time.perf_counter()
@@ -115,8 +133,8 @@ def hf_static(model, reqs, batch_size: int) -> float:
         for i in range(0, len(reqs), batch_size):
             batch = reqs[i : i + batch_size]
             width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=model.device)
             new = max(out for _, out in batch)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
 
@@ -208,6 +226,13 @@ def main() -> None:
     print(f"ours offline: {results['ours_offline']:.1f} tok/s", flush=True)
     results["ours_b1_tps"], results["ours_b1_ttft"] = ours_batch1(engine, b1_prompt, 128)
     print(f"ours batch-1: {results['ours_b1_tps']:.1f} tok/s, ttft {results['ours_b1_ttft'] * 1000:.0f} ms", flush=True)
+
+    def engine_with_caching(caching: bool) -> LLMEngine:
+        # Same weights, a fresh cache: nothing carried over between the two runs.
+        return LLMEngine(replace(engine.config, enable_prefix_caching=caching), model=engine.model, tokenizer=engine.tokenizer)
+
+    results["prefix"] = ours_shared_prefix(engine_with_caching, vocab)
+    print(f"shared prefix: cache on {results['prefix']['on']['seconds']:.2f} s, off {results['prefix']['off']['seconds']:.2f} s", flush=True)
     del engine
 
     model = load_hf(dtype)
@@ -249,6 +274,9 @@ def main() -> None:
         print(f"| {workload} | {name} | {value:.1f} {unit} | {frac} |")
     ttft = f"{results['ours_b1_ttft'] * 1000:.0f} ms vs {results['hf_b1_ttft'] * 1000:.0f} ms"
     print(f"| batch-1 time to first token | ours vs transformers | {ttft} | |")
+    pre = results["prefix"]
+    print(f"| 64 requests, shared 512-token prefix | prefix cache on | {pre['on']['seconds']:.2f} s | {pre['on']['saved']:.0%} of prefill tokens saved |")
+    print(f"|  | prefix cache off | {pre['off']['seconds']:.2f} s | |")
     print("\nratios:")
     print(f"  offline vs transformers static:     {results['ours_offline'] / results['hf_static']:.2f}x")
     if "hf_continuous" in results:
@@ -256,6 +284,7 @@ def main() -> None:
     print(f"  batch-1 decode vs transformers:     {results['ours_b1_tps'] / results['hf_b1_tps']:.2f}x")
     if cpp:
         print(f"  batch-1 decode vs llama.cpp:        {results['ours_b1_tps'] / results['llama_cpp_b1_tps']:.2f}x")
+    print(f"  shared prefix, cache on vs off:     {pre['off']['seconds'] / pre['on']['seconds']:.2f}x faster")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

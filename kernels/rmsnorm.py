@@ -31,7 +31,11 @@ def rms_norm_impl(probe: torch.Tensor):
     fused = pick(rms_norm_ref, None, probe, cpu_impl=_cpu_add_rms_norm)
     if fused is rms_norm_ref:
         return rms_norm_ref
-    return lambda x, weight, eps: fused(x, x, weight, eps, False)
+    def rms_norm_cpu(x, weight, eps):
+        x = x.contiguous()
+        return fused(x, x, weight, eps, False)
+
+    return rms_norm_cpu
 
 
 def add_rms_norm_impl(probe: torch.Tensor):
