@@ -14,6 +14,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -48,6 +50,8 @@ def load():
                 from torch.utils.cpp_extension import load as build
 
                 os.environ.setdefault("MAX_JOBS", "2")
+                if shutil.which("ninja") is None:  # the `ninja` wheel lives beside this interpreter
+                    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
                 _module = build(
                     name=_build_name(),
                     sources=[str(_SOURCE)],

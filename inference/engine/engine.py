@@ -19,7 +19,7 @@ from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
 from inference.engine.scheduler import Scheduler
-from inference.engine.sequence import RequestOutput, SamplingParams, Sequence
+from inference.engine.sequence import LANES, RequestOutput, SamplingParams, Sequence
 from inference.engine.tokenizer import Tokenizer
 
 
@@ -79,9 +79,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lane: int = 1,
+        tenant_id: str | None = None,
     ) -> Sequence:
         """Validate and queue a request. Raises InvalidRequestError; never half-adds."""
         params = params or SamplingParams()
+        if lane not in LANES:
+            raise InvalidRequestError(f"lane must be one of {LANES}", param="priority")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self.requests:
@@ -111,6 +115,8 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            lane=lane,
+            tenant_id=tenant_id,
         )
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)

@@ -67,7 +67,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
 
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-    if greedy:
+    if len(greedy) == len(seqs):  # the common all-greedy batch: no row gather
+        tokens = logits.argmax(-1)
+    elif greedy:
         idx = torch.tensor(greedy, device=logits.device)
         tokens[idx] = logits[idx].argmax(-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]

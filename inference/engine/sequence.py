@@ -17,6 +17,7 @@ import torch
 from inference.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+LANES = (0, 1, 2)
 MAX_STOP_SEQUENCES = 16
 
 
@@ -125,6 +126,8 @@ class Sequence:
     arrival_time: float
     cache_salt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    lane: int = 1  # 0 realtime, 1 near-realtime, 2 batch
+    tenant_id: str | None = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     seq_no: int = 0  # admission order, the tie-breaker between equal arrival times
