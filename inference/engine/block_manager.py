@@ -41,8 +41,33 @@ class CachedPrefix:
 NO_PREFIX = CachedPrefix((), ())
 
 
+class SwapPool:
+    """Host-memory blocks that hold swapped-out sequences. No sharing, no prefix cache."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0):
+        self.swap = SwapPool(num_swap_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -188,6 +213,42 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    # -- swapping --------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= self.swap.num_free_blocks
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq` to host blocks; returns (device block, host block) copies to make.
+
+        The device blocks are released (blocks shared through the prefix cache stay
+        with their other owners); the caller must copy before anything overwrites them,
+        which the model runner does at the start of the step.
+        """
+        host = self.swap.allocate(len(seq.block_table))
+        if host is None:
+            raise ValueError("swap pool full: check can_swap_out first")
+        copies = list(zip(seq.block_table, host))
+        self.free(seq)
+        seq.swap_table = host
+        return copies
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Give `seq` device blocks again; returns (host block, device block) copies, or None if it does not fit."""
+        n = len(seq.swap_table)
+        if n > self.num_free_blocks:
+            return None
+        device = [self._take_free_block() for _ in range(n)]
+        copies = list(zip(seq.swap_table, device))
+        self.swap.free(seq.swap_table)
+        seq.swap_table = []
+        seq.block_table = device
+        return copies
+
+    def free_swapped(self, seq: Sequence) -> None:
+        self.swap.free(seq.swap_table)
+        seq.swap_table = []
+
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. after weights change)."""
         for block in list(self._evictable):
@@ -217,3 +278,8 @@ class BlockManager:
         for key, block in self.cached.items():
             if self.block_hashes[block] != key:
                 raise AssertionError("prefix cache map disagrees with block keys")
+        swapped = [b for seq in seqs for b in seq.swap_table]
+        if len(set(swapped)) != len(swapped) or set(swapped) & set(self.swap._free):
+            raise AssertionError("a swap block is owned twice, or owned and free")
+        if len(swapped) + self.swap.num_free_blocks != self.swap.num_blocks:
+            raise AssertionError("swap pool: free + used != total")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -54,10 +54,19 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    policy: str = "fcfs"
+    # Who goes first: "priority" (lanes, aging, fair share between tenants), "fcfs" or
+    # "shortest_first" (fewest tokens left to generate).
+    policy: str = "priority"
+    # A waiting request's lane improves by one for every aging_threshold_s it has waited.
+    aging_threshold_s: float = 30.0
+    # Host memory for P2 sequences swapped out of the device cache (0: always recompute).
+    swap_space_bytes: int = 256 * 1024**2
+    # At most this many sequences swapped in or out per step, so swapping cannot thrash.
+    max_swaps_per_step: int = 4
+    # Per lane (P0, P1, P2): the most requests allowed to wait, and how long one may wait.
+    lane_max_waiting: tuple[int, int, int] = (256, 1024, 100_000)
+    lane_queue_timeout_s: tuple[float, float, float] = (30.0, 120.0, 24 * 3600.0)
     seed: int = 0
-    # Room for later issues (lanes, swap, aging) to extend without changing callers.
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -73,5 +82,11 @@ class EngineConfig:
             raise InvalidRequestError("num_blocks must be at least 1", param="num_blocks")
         if self.kv_cache_bytes <= 0:
             raise InvalidRequestError("kv_cache_bytes must be positive", param="kv_cache_bytes")
-        if self.policy not in ("fcfs",):
+        if self.policy not in ("priority", "fcfs", "shortest_first"):
             raise InvalidRequestError(f"unknown scheduling policy {self.policy!r}", param="policy")
+        if self.aging_threshold_s <= 0:
+            raise InvalidRequestError("aging_threshold_s must be positive", param="aging_threshold_s")
+        if self.swap_space_bytes < 0 or self.max_swaps_per_step < 0:
+            raise InvalidRequestError("swap_space_bytes and max_swaps_per_step must not be negative", param="swap_space_bytes")
+        if len(self.lane_max_waiting) != 3 or len(self.lane_queue_timeout_s) != 3:
+            raise InvalidRequestError("lane limits take one value per lane (P0, P1, P2)", param="lane_max_waiting")

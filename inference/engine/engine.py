@@ -8,13 +8,14 @@ and frees what finished.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig, resolve_device, resolve_dtype
-from inference.engine.errors import DuplicateRequestError, InvalidRequestError
+from inference.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
 from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
@@ -48,8 +49,15 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel | None = None,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
+        self.clock = clock
         if model is None:
             device = resolve_device(config.device)
             model, source = load_model(config.model, resolve_dtype(config.dtype, device), device)
@@ -63,10 +71,13 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (config.block_size * mc.kv_bytes_per_token(model.dtype)))
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, seed=config.seed)
+        block_bytes = config.block_size * mc.kv_bytes_per_token(model.dtype)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        num_swap_blocks = config.swap_space_bytes // block_bytes
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks)
+        self.scheduler = Scheduler(config, self.block_manager, clock=clock)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, seed=config.seed, num_swap_blocks=num_swap_blocks)
+        self.tokens_per_s = 0.0  # recent throughput (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
 
@@ -86,6 +97,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if lane not in LANES:
             raise InvalidRequestError(f"lane must be one of {LANES}", param="priority")
+        self._admission_control(lane, params)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self.requests:
@@ -112,7 +124,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             lane=lane,
@@ -126,6 +138,24 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(token_ids)
         return seq
+
+    def _admission_control(self, lane: int, params: SamplingParams) -> None:
+        """Refuse (QueueFullError with a retry-after) what the lane cannot take in time."""
+        waiting = self.scheduler.waiting
+        in_lane = sum(1 for s in waiting if s.lane == lane)
+        # Work ahead of a new request of this lane: everything waiting in this lane or a better one.
+        ahead = sum(s.num_tokens - s.num_computed_tokens + s.params.max_tokens for s in waiting if s.lane <= lane)
+        wait = ahead / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+        if in_lane >= self.config.lane_max_waiting[lane]:
+            retry = max(1.0, wait / max(1, in_lane))
+            raise QueueFullError(f"lane P{lane} has {in_lane} requests waiting, its limit", retry_after_s=retry, lane=lane)
+        timeout = self.config.lane_queue_timeout_s[lane]
+        if wait > timeout:
+            raise QueueFullError(
+                f"lane P{lane} would make this request wait about {wait:.0f} s, over its {timeout:.0f} s queue timeout",
+                retry_after_s=max(1.0, wait - timeout),
+                lane=lane,
+            )
 
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -160,14 +190,28 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         schedule = self.scheduler.schedule()
         try:
-            sampled = self.runner.run(schedule) if schedule.scheduled else []
+            sampled = self.runner.run(schedule) if schedule.scheduled or schedule.swap_out else []
         except BaseException:
             # Blocks keyed ahead of a compute that never happened hold garbage: unkey them.
             self.block_manager.forget(schedule.cache_entered)
             raise
-        return self._postprocess(schedule, sampled)
+        if schedule.num_batched_tokens:
+            rate = schedule.num_batched_tokens / max(time.perf_counter() - started, 1e-6)
+            self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
+        return self._timed_out_outputs(schedule) + self._postprocess(schedule, sampled)
+
+    def _timed_out_outputs(self, schedule) -> list[RequestOutput]:
+        outputs = []
+        for seq in schedule.timed_out:
+            del self.requests[seq.request_id]
+            self.counters.finished_requests += 1
+            timeout = self.config.lane_queue_timeout_s[seq.lane]
+            out = self._output(seq, (), "", finished=True)
+            outputs.append(replace(out, error=f"waited longer than lane P{seq.lane}'s queue timeout ({timeout:.0f} s)"))
+        return outputs
 
     def _postprocess(self, schedule, sampled: list[SampledToken]) -> list[RequestOutput]:
         c = self.counters
@@ -270,7 +314,25 @@ class LLMEngine:
     def stats(self) -> dict:
         bm = self.block_manager
         c = self.counters
+        sched = self.scheduler
+        now = self.clock()
+        lanes = {}
+        for lane in LANES:
+            lanes[f"P{lane}"] = {
+                "waiting": sum(1 for s in sched.waiting if s.lane == lane),
+                "running": sum(1 for s in sched.running if s.lane == lane),
+                "swapped": sum(1 for s in sched.swapped if s.lane == lane),
+                # waiting requests whose effective lane has risen above their own
+                "aged_up": sum(1 for s in sched.waiting if sched.policy.effective_lane(s, now) < s.lane),
+            }
         return {
+            "lanes": lanes,
+            "swapped": len(sched.swapped),
+            "swap_blocks_total": bm.swap.num_blocks,
+            "swap_blocks_used": bm.swap.num_used_blocks,
+            "preemptions_recompute": sched.preemptions["recompute"],
+            "preemptions_swap": sched.preemptions["swap"],
+            "tokens_per_s": self.tokens_per_s,
             "blocks_total": bm.num_blocks,
             "blocks_free": bm.num_free_blocks,
             "blocks_used": bm.num_used_blocks,

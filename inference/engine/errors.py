@@ -24,3 +24,14 @@ class InvalidRequestError(EngineError, ValueError):
 class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str):
         super().__init__(f"request id {request_id!r} is already in flight", param="request_id", code="duplicate_request_id")
+
+
+class QueueFullError(EngineError):
+    """The request's lane cannot take it now: too many waiting, or the wait would exceed
+    the lane's queue timeout. Retry after `retry_after_s` (the API answers 429)."""
+
+    def __init__(self, message: str, retry_after_s: float, lane: int):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.lane = lane

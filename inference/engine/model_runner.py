@@ -25,7 +25,7 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, num_swap_blocks: int = 0):
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -35,9 +35,27 @@ class ModelRunner:
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=self.device
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # Host memory for swapped-out sequences, same layout; pinned on CUDA for fast copies.
+        self.swap_cache = torch.zeros(
+            cfg.num_layers, 2, num_swap_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=model.dtype, pin_memory=self.device.type == "cuda",
+        )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
+    def swap(self, schedule: SchedulerOutput) -> None:
+        """Copy swapped-out blocks to host, then swapped-in blocks back, before the forward
+        pass can overwrite a block the scheduler has just released."""
+        if schedule.swap_out:
+            src, dst = zip(*schedule.swap_out)
+            self.swap_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].to("cpu")
+        if schedule.swap_in:
+            src, dst = zip(*schedule.swap_in)
+            self.kv_cache[:, :, list(dst)] = self.swap_cache[:, :, list(src)].to(self.device)
+
     def run(self, schedule: SchedulerOutput) -> list[SampledToken]:
+        self.swap(schedule)
+        if not schedule.scheduled:
+            return []
         seqs, logits = self.compute_logits(schedule)
         if not seqs:
             return []

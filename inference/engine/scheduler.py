@@ -1,36 +1,119 @@
 """Each step's batch: who computes how many tokens, under the token and sequence budgets.
 
-Mechanism lives here (budgets, blocks, preemption by recompute); policy (who goes
-first, who is the victim) is a `Policy` that only orders sequences. Running
-sequences are served first, in policy order, one decode token or their next
-prefill chunk each; then waiting sequences are admitted while the budgets and the
-block pool allow. When a running sequence cannot get a block, the running
-sequence that the policy ranks last is preempted (its blocks freed, its tokens
-recomputed later) until it can.
+Mechanism lives here (budgets, blocks, preemption, swapping); policy (who goes
+first, who is the victim) is a `Policy` that only orders sequences. A step:
+
+1. Running sequences, best first, get one decode token or their next prefill chunk.
+   When one cannot get a block, the worst running sequence is preempted until it can.
+2. A waiting sequence of a strictly better effective lane than the worst running one
+   may preempt it when the batch or the block pool is full (priority policy only).
+3. Swapped and waiting sequences, in policy order, are swapped back in or admitted
+   while the budgets and the pool allow; the first that does not fit stops the rest,
+   so nobody overtakes the head of the queue.
+
+Victims from lane P2 are swapped to host memory when the swap pool has room (they
+resume exactly where they stopped); others are recomputed (their blocks are freed
+and their tokens prefilled again, mostly from the prefix cache). Both keep their
+arrival time, so a preempted request does not lose its place.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Protocol
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
 
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.sequence import Sequence, SequenceStatus
 
-
-class Policy(Protocol):
-    def key(self, seq: Sequence) -> tuple:
-        """Sort key: smaller goes first, the largest running sequence is preempted first."""
+BATCH_LANE = 2
 
 
-class FcfsPolicy:
-    def key(self, seq: Sequence) -> tuple:
+class Policy:
+    """Orders sequences. Smaller keys go first; the running sequence with the largest
+    `victim_key` is preempted first."""
+
+    def waiting_key(self, seq: Sequence, now: float) -> tuple:
         return (seq.arrival_time, seq.seq_no)
 
+    def victim_key(self, seq: Sequence, now: float) -> tuple:
+        return (seq.arrival_time, seq.seq_no)
 
-POLICIES = {"fcfs": FcfsPolicy}
+    def effective_lane(self, seq: Sequence, now: float) -> int:
+        return seq.lane
+
+    def preempts_for_admission(self) -> bool:
+        return False
+
+    def served(self, seq: Sequence, num_tokens: int) -> None:
+        """Called with the tokens computed for `seq` in a step (fair-share accounting)."""
+
+
+class FcfsPolicy(Policy):
+    """First come, first served, whatever the lane."""
+
+
+class ShortestFirstPolicy(Policy):
+    """Fewest tokens left to generate first: short answers are not stuck behind long ones."""
+
+    def waiting_key(self, seq: Sequence, now: float) -> tuple:
+        return (seq.params.max_tokens - seq.num_output_tokens, seq.arrival_time, seq.seq_no)
+
+    def victim_key(self, seq: Sequence, now: float) -> tuple:
+        return self.waiting_key(seq, now)
+
+
+class PriorityPolicy(Policy):
+    """Lanes with aging, and fair share between the tenants of a lane.
+
+    A request's effective lane rises one level for every `aging_threshold_s` it has
+    existed, so a P2 request competes as P1 after 30 s and as P0 after 60 s: no lane
+    starves. Inside a lane, tenants are ordered by the tokens the engine has computed
+    for them (virtual time, as in weighted fair queuing), so a tenant flooding the
+    lane waits behind tenants that have had less. A tenant that falls idle and comes
+    back starts from the lane's least-served backlogged tenant, not from zero, so it
+    cannot claim the lane for the time it was away.
+    """
+
+    def __init__(self, aging_threshold_s: float):
+        self.aging = aging_threshold_s
+        self.virtual: dict[int, dict[str | None, float]] = defaultdict(dict)
+
+    def effective_lane(self, seq: Sequence, now: float) -> int:
+        return max(0, seq.lane - int(max(0.0, now - seq.arrival_time) // self.aging))
+
+    def waiting_key(self, seq: Sequence, now: float) -> tuple:
+        served = self.virtual[seq.lane].get(seq.tenant_id, 0.0)
+        return (self.effective_lane(seq, now), served, seq.arrival_time, seq.seq_no)
+
+    def victim_key(self, seq: Sequence, now: float) -> tuple:
+        # Worst lane first, latest arrival first.
+        return (self.effective_lane(seq, now), seq.arrival_time, seq.seq_no)
+
+    def preempts_for_admission(self) -> bool:
+        return True
+
+    def served(self, seq: Sequence, num_tokens: int) -> None:
+        lane = self.virtual[seq.lane]
+        lane[seq.tenant_id] = lane.get(seq.tenant_id, 0.0) + num_tokens
+
+    def backlogged(self, seq: Sequence, backlog: list[Sequence]) -> None:
+        """`seq` joins the queue: lift its tenant to the least-served backlogged peer."""
+        lane = self.virtual[seq.lane]
+        peers = [lane.get(s.tenant_id, 0.0) for s in backlog if s.lane == seq.lane and s.tenant_id != seq.tenant_id]
+        if peers:
+            lane[seq.tenant_id] = max(lane.get(seq.tenant_id, 0.0), min(peers))
+
+
+def make_policy(config: EngineConfig) -> Policy:
+    if config.policy == "priority":
+        return PriorityPolicy(config.aging_threshold_s)
+    if config.policy == "shortest_first":
+        return ShortestFirstPolicy()
+    return FcfsPolicy()
 
 
 @dataclass(frozen=True)
@@ -52,100 +135,209 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_prefix_hit_tokens: int  # prompt tokens admitted this step straight from the prefix cache
     cache_entered: tuple[int, ...] = ()  # blocks keyed ahead of this step's compute
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies, made before the forward
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies, made after swap_out
+    timed_out: tuple[Sequence, ...] = ()  # waited past their lane's queue timeout; the engine fails them
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
+@dataclass
+class _Step:
+    """What one schedule() call has done so far."""
+
+    budget: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swaps: int = 0
+    starved: bool = False  # a running sequence had to preempt to get a block: admit nobody
+
+
 _seq_counter = itertools.count()
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: Policy | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
+        self.clock = clock
         self.block_manager = block_manager
-        self.policy = policy or POLICIES[config.policy]()
+        self.policy = policy or make_policy(config)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: list[Sequence] = []
+        self.preemptions = {"recompute": 0, "swap": 0}
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     def add(self, seq: Sequence) -> None:
         seq.seq_no = next(_seq_counter)
         seq.status = SequenceStatus.WAITING
+        if isinstance(self.policy, PriorityPolicy):
+            self.policy.backlogged(seq, self.waiting + self.running + self.swapped)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+    def queue(self, status: SequenceStatus) -> list[Sequence]:
+        return {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running, SequenceStatus.SWAPPED: self.swapped}[status]
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take `seq` out of the queues and free its blocks (finished or aborted)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+        """Take `seq` out of the queues and free its blocks (finished, aborted or failed)."""
+        if seq.status is not SequenceStatus.FINISHED:
+            self.queue(seq.status).remove(seq)
         self.block_manager.free(seq)
+        self.block_manager.free_swapped(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = self.clock() if now is None else now
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        timed_out = self._expire_waiting(now)
+        policy = self.policy
+        self.running.sort(key=lambda s: policy.victim_key(s, now))
+        if policy.preempts_for_admission():
+            self._preempt_for_better_lanes(now, step)
+        self._schedule_running(now, step)
 
-        self.running.sort(key=self.policy.key)
+        bm = self.block_manager
+        entered = [b for s in step.scheduled for b in bm.commit_blocks(s.seq, s.start + s.num_new_tokens)]
+        hit_tokens = 0
+        if not step.starved:  # running work is short of blocks: bringing more in would thrash
+            candidates = sorted(self.swapped + self.waiting, key=lambda s: policy.waiting_key(s, now))
+            for seq in candidates:
+                if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if seq.status is SequenceStatus.SWAPPED:
+                    if not self._swap_in(seq, step):
+                        break
+                else:
+                    admitted = self._admit(seq, step)
+                    if admitted is None:
+                        break
+                    hit_tokens += admitted
+                    entered += bm.commit_blocks(seq, step.scheduled[-1].start + step.scheduled[-1].num_new_tokens)
+
+        for item in step.scheduled:
+            policy.served(item.seq, item.num_new_tokens)
+        return SchedulerOutput(
+            scheduled=tuple(step.scheduled),
+            preempted=tuple(step.preempted),
+            num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+            num_prefix_hit_tokens=hit_tokens,
+            cache_entered=tuple(entered),
+            swap_out=tuple(step.swap_out),
+            swap_in=tuple(step.swap_in),
+            timed_out=tuple(timed_out),
+        )
+
+    # -- the parts of a step ---------------------------------------------------------------
+
+    def _expire_waiting(self, now: float) -> list[Sequence]:
+        limits = self.config.lane_queue_timeout_s
+        expired = [s for s in self.waiting if s.num_computed_tokens == 0 and s.num_output_tokens == 0 and now - s.arrival_time > limits[s.lane]]
+        for seq in expired:
+            self.finish(seq, "error")
+        return expired
+
+    def _schedule_running(self, now: float, step: _Step) -> None:
+        bm = self.block_manager
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             while not bm.allocate(seq, num_new):
-                victim = self.running.pop()  # ranked last by the policy, not yet scheduled
-                self._preempt(victim)
-                preempted.append(victim)
+                victim = self.running[-1]  # ranked worst by the policy, not yet scheduled
+                self._preempt(victim, step)
+                step.starved = True
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-                budget -= num_new
+                step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                step.budget -= num_new
                 i += 1
 
-        entered = [b for s in scheduled for b in bm.commit_blocks(s.seq, s.start + s.num_new_tokens)]
-        hit_tokens = 0
-        if not preempted:  # a step that had to preempt has no room to admit anyone
-            self.waiting.sort(key=self.policy.key)
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                prefix = bm.find_cached_prefix(seq)
-                cached = prefix.num_tokens(bm.block_size)
-                num_new = min(seq.num_tokens - cached, budget)
-                if not bm.allocate(seq, num_new, prefix):
-                    break  # first come, first served: nobody overtakes the head of the queue
-                self.waiting.pop(0)
-                seq.num_computed_tokens = cached
-                if seq.num_output_tokens == 0:
-                    seq.num_cached_tokens = cached
-                hit_tokens += cached
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                scheduled.append(ScheduledSeq(seq, cached, num_new))
-                entered += bm.commit_blocks(seq, cached + num_new)
-                budget -= num_new
+    def _preempt_for_better_lanes(self, now: float, step: _Step) -> None:
+        """Let the best waiting request push out running work of a strictly worse lane."""
+        if not self.waiting or not self.running:
+            return
+        policy, bm = self.policy, self.block_manager
+        head = min(self.waiting, key=lambda s: policy.waiting_key(s, now))
+        lane = policy.effective_lane(head, now)
+        need = bm.blocks_needed(min(head.num_tokens, self.config.max_num_batched_tokens))
+        need -= len(bm.find_cached_prefix(head).blocks)
+        while self.running and (len(self.running) >= self.config.max_num_seqs or bm.num_free_blocks < need):
+            victim = self.running[-1]
+            if policy.effective_lane(victim, now) <= lane:
+                return
+            self._preempt(victim, step)
 
-        return SchedulerOutput(
-            scheduled=tuple(scheduled),
-            preempted=tuple(preempted),
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            num_prefix_hit_tokens=hit_tokens,
-            cache_entered=tuple(entered),
-        )
-
-    def _preempt(self, seq: Sequence) -> None:
-        # Recompute: the sequence keeps its tokens and its arrival time, so it goes back
-        # to the head of the queue and prefills again (mostly from the prefix cache).
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        self.running.remove(seq)
+        step.preempted.append(seq)
+        bm = self.block_manager
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self.num_preemptions += 1
+        if seq.lane == BATCH_LANE and step.swaps < self.config.max_swaps_per_step and bm.can_swap_out(seq):
+            # Batch work keeps its computed keys and values in host memory and resumes exactly there.
+            step.swap_out += bm.swap_out(seq)
+            step.swaps += 1
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.preemptions["swap"] += 1
+        else:
+            # Recompute: the sequence keeps its tokens and arrival time and prefills again.
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+            self.preemptions["recompute"] += 1
+
+    def _swap_in(self, seq: Sequence, step: _Step) -> bool:
+        if step.swaps >= self.config.max_swaps_per_step:
+            return False
+        bm = self.block_manager
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+        # Room for the swapped blocks and this step's tokens, checked before anything moves.
+        if bm.blocks_needed(seq.num_computed_tokens + num_new) > bm.num_free_blocks:
+            return False
+        step.swap_in += bm.swap_in(seq)
+        if not bm.allocate(seq, num_new):
+            raise RuntimeError("swap-in lost its blocks between the check and the allocation")
+        step.swaps += 1
+        self.swapped.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+        step.budget -= num_new
+        return True
+
+    def _admit(self, seq: Sequence, step: _Step) -> int | None:
+        """Admit a waiting sequence; returns its prefix-cache hit tokens, None if it does not fit."""
+        bm = self.block_manager
+        prefix = bm.find_cached_prefix(seq)
+        cached = prefix.num_tokens(bm.block_size)
+        num_new = min(seq.num_tokens - cached, step.budget)
+        if not bm.allocate(seq, num_new, prefix):
+            return None
+        self.waiting.remove(seq)
+        seq.num_computed_tokens = cached
+        if seq.num_output_tokens == 0:
+            seq.num_cached_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        step.scheduled.append(ScheduledSeq(seq, cached, num_new))
+        step.budget -= num_new
+        return cached

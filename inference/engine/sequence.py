@@ -136,6 +136,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this sequence's full, computed blocks
+    swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None

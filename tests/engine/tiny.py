@@ -61,13 +61,28 @@ def smol_tokenizer() -> Tokenizer:
     return Tokenizer.load(resolve_source("SmolLM2-135M-Instruct"))
 
 
+class ManualClock:
+    """The engine's clock in tests: time moves only when the test says so."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 8,
+    clock: ManualClock | None = None,
     **overrides,
 ) -> LLMEngine:
+    """A tiny-model engine on a manual clock (arrival times in tests are on that clock)."""
     config = EngineConfig(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -75,7 +90,7 @@ def tiny_engine(
         max_num_seqs=max_num_seqs,
         **overrides,
     )
-    return LLMEngine(config, model=tiny_model())
+    return LLMEngine(config, model=tiny_model(), clock=clock or ManualClock())
 
 
 def make_seq(request_id: str, token_ids: list[int], salt: str | None = None, max_tokens: int = 16) -> Sequence:
@@ -105,7 +120,7 @@ def tokens_of(outputs: list) -> list[int]:
 
 
 def live_seqs(engine: LLMEngine) -> list[Sequence]:
-    return list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    return list(engine.scheduler.running) + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
 
 
 class SumRunner:
