@@ -60,7 +60,7 @@ class EngineConfig:
     # A waiting request's lane improves by one for every aging_threshold_s it has waited.
     aging_threshold_s: float = 30.0
     # Host memory for P2 sequences swapped out of the device cache (0: always recompute).
-    swap_space_bytes: int = 256 * 1024**2
+    swap_space_bytes: int = 1024**3
     # At most this many sequences swapped in or out per step, so swapping cannot thrash.
     max_swaps_per_step: int = 4
     # Per lane (P0, P1, P2): the most requests allowed to wait, and how long one may wait.
