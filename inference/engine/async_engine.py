@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from inference.engine.engine import LLMEngine
 from inference.engine.errors import EngineError
-from inference.engine.metrics import EngineMetrics
+from inference.engine.metrics import EngineMetrics, lane_name
 from inference.engine.sequence import LANES, RequestOutput, SamplingParams, Sequence
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class AsyncEngine:
         self._snapshot: dict = {}
         # Outputs of this iteration, handed to their loops only after the stats snapshot is
         # published: a consumer that saw its final output then reads stats that include it.
-        self._outbox: list[tuple[_RequestState, RequestOutput]] = []
+        self._outbox: list[tuple[_RequestState, RequestOutput] | asyncio.Future] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -367,7 +367,7 @@ class AsyncEngine:
             _resolve(command.future, exc)
             return
         self._states[state.request_id] = state
-        _resolve(command.future, None)
+        self._outbox.append(command.future)  # resolved once the snapshot counts the request
 
     def _sweep(self) -> None:
         """Abort requests whose consumer went away: closed, collected, or silent past the lease."""
@@ -477,7 +477,11 @@ class AsyncEngine:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        for state, out in outbox:
+        for item in outbox:
+            if isinstance(item, asyncio.Future):
+                _resolve(item, None)
+                continue
+            state, out = item
             try:
                 state.loop.call_soon_threadsafe(state.put, out)
             except RuntimeError:  # the consumer's loop is closed: nobody will read this request
@@ -496,10 +500,16 @@ class AsyncEngine:
     def _publish(self) -> None:
         engine = self.engine
         stats = engine.stats()
-        lanes = {lane: {"waiting": 0, "running": 0, "swapped": 0} for lane in LANES}
-        for key, seqs in (("waiting", engine.scheduler.waiting), ("running", engine.scheduler.running), ("swapped", getattr(engine.scheduler, "swapped", ()))):
-            for seq in seqs:
-                lanes.setdefault(seq.lane, {"waiting": 0, "running": 0, "swapped": 0})[key] += 1
+        # Per-lane counts from the queues themselves, merged over whatever per-lane detail the
+        # engine reports (e.g. aged_up), so they hold with or without the engine's own.
+        lanes = {name: dict(counts) for name, counts in stats.get("lanes", {}).items()}
+        scheduler = engine.scheduler
+        queues = ("waiting", "running", "swapped")
+        for lane in LANES:
+            lanes.setdefault(lane_name(lane), {}).update(dict.fromkeys(queues, 0))
+        for key in queues:
+            for seq in getattr(scheduler, key, ()):
+                lanes.setdefault(lane_name(seq.lane), dict.fromkeys(queues, 0))[key] += 1
         stats.update(
             lanes=lanes,
             in_flight=len(self._states),

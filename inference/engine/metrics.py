@@ -21,7 +21,7 @@ endpoint serves.
 | `llm_engine_time_to_first_token_seconds` | histogram | lane | submit -> first output carrying tokens |
 | `llm_engine_time_per_output_token_seconds` | histogram | lane | (last token - first token) / (tokens - 1) |
 
-The tenant label holds the tenant id string (`none` for requests without one):
+Lane labels read `P0`, `P1`, `P2`. The tenant label holds the tenant id string (`none` for requests without one):
 tenants are a bounded, operator-created set, not per-user values.
 """
 
@@ -36,6 +36,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 PREEMPTION_MODES = ("recompute", "swap")
 NO_TENANT = "none"
+
+
+def lane_name(lane: int) -> str:
+    """The lane as the platform names it (P0 realtime, P1 near-realtime, P2 batch)."""
+    return f"P{lane}"
 
 
 class EngineMetrics:
@@ -68,10 +73,10 @@ class EngineMetrics:
 
     def observe_stats(self, stats: Mapping) -> None:
         """Gauges and counters from one `AsyncEngine.stats()` snapshot."""
-        for lane, counts in stats.get("lanes", {}).items():
-            self.waiting.labels(lane=str(lane)).set(counts.get("waiting", 0))
-            self.running.labels(lane=str(lane)).set(counts.get("running", 0))
-            self.swapped.labels(lane=str(lane)).set(counts.get("swapped", 0))
+        for lane, counts in stats.get("lanes", {}).items():  # keyed by lane_name()
+            self.waiting.labels(lane=lane).set(counts.get("waiting", 0))
+            self.running.labels(lane=lane).set(counts.get("running", 0))
+            self.swapped.labels(lane=lane).set(counts.get("swapped", 0))
         self.blocks_total.set(stats.get("blocks_total", 0))
         self.blocks_free.set(stats.get("blocks_free", 0))
         self.blocks_cached.set(stats.get("blocks_cached", 0))
@@ -100,12 +105,12 @@ class EngineMetrics:
             self.generation_tokens.labels(tenant=tenant_id or NO_TENANT).inc(n)
 
     def observe_first_token(self, lane: int, seconds: float) -> None:
-        self.ttft.labels(lane=str(lane)).observe(max(0.0, seconds))
+        self.ttft.labels(lane=lane_name(lane)).observe(max(0.0, seconds))
 
     def observe_finished(self, lane: int, reason: str | None, num_tokens: int, first_at: float | None, last_at: float | None) -> None:
         self.finished.labels(reason=reason or "unknown").inc()
         if num_tokens >= 2 and first_at is not None and last_at is not None:
-            self.tpot.labels(lane=str(lane)).observe(max(0.0, (last_at - first_at) / (num_tokens - 1)))
+            self.tpot.labels(lane=lane_name(lane)).observe(max(0.0, (last_at - first_at) / (num_tokens - 1)))
 
     # -- read by the endpoint -------------------------------------------------------------------
 
