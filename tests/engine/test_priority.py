@@ -1,0 +1,473 @@
+"""Priority scheduling: lanes, aging, tenant fair share, preemption by swap or recompute,
+admission control and queue timeouts.
+
+Scheduler tests use `SumRunner` at the runner seam (next token = sum of the last 3
+mod vocab), so each request's output is known in advance; the swap and recompute
+parity tests use the real tiny model, since only real keys and values can show a
+block copied to the wrong place. Every engine runs on a `ManualClock`: aging and
+timeouts move only when a test advances it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from inference.engine.errors import QueueFullError
+from inference.engine.sequence import SamplingParams, SequenceStatus
+from tests.engine.tiny import TINY, VOCAB, ManualClock, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
+
+assert one_thread  # an autouse fixture: importing it is what applies it here
+
+
+def swap_bytes(num_blocks: int, block_size: int = 4) -> int:
+    """swap_space_bytes for `num_blocks` host blocks of the tiny fp32 model.
+
+    Always pass it: the 256 MiB default allocates (and zeroes) a quarter of a
+    gigabyte of host memory per engine, seconds each on a busy machine.
+    """
+    return num_blocks * block_size * TINY.kv_bytes_per_token(torch.float32)
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(sum(tokens[-3:]) % VOCAB)
+    return tokens[len(prompt) :]
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def fake_engine(clock: ManualClock | None = None, swap_blocks: int = 16, **kw):
+    engine = tiny_engine(clock=clock or ManualClock(), swap_space_bytes=swap_bytes(swap_blocks, kw.get("block_size", 4)), **kw)
+    engine.runner = SumRunner()
+    return engine
+
+
+def first_scheduled(engine) -> dict[str, int]:
+    """Request id -> index of the first schedule (step) that gave it tokens."""
+    first: dict[str, int] = {}
+    for i, schedule in enumerate(engine.runner.schedules):
+        for item in schedule.scheduled:
+            first.setdefault(item.seq.request_id, i)
+    return first
+
+
+def start_order(engine) -> list[str]:
+    first = first_scheduled(engine)
+    return sorted(first, key=lambda rid: first[rid])
+
+
+# -- who goes first ---------------------------------------------------------------------------
+
+
+def test_lanes_are_admitted_in_strict_order_when_nobody_has_aged():
+    engine = fake_engine(max_num_seqs=2, max_num_batched_tokens=64)
+    # Worst lane arrives first: arrival order must not matter across lanes.
+    for i, lane in enumerate([2, 2, 1, 1, 0, 0]):
+        engine.add_request(f"p{lane}-{i}", [i + 1, 2, 3], params(3), lane=lane, arrival_time=float(i))
+    outputs = run_to_completion(engine)
+    assert start_order(engine) == ["p0-4", "p0-5", "p1-2", "p1-3", "p2-0", "p2-1"]
+    first = first_scheduled(engine)
+    # Two at a time: the P1s wait for both P0s to finish, the P2s for both P1s.
+    assert first["p0-4"] == first["p0-5"] < first["p1-2"] == first["p1-3"] < first["p2-0"] == first["p2-1"]
+    assert engine.stats()["preemptions"] == 0
+    for rid, outs in outputs.items():
+        assert outs[-1].finish_reason == "length"
+
+
+def test_a_p2_request_under_saturating_p0_load_starts_within_two_aging_thresholds():
+    aging, tick = 1.0, 0.25  # binary fractions: the clock lands exactly on the thresholds
+    clock = ManualClock()
+    engine = fake_engine(clock, max_num_seqs=2, max_num_batched_tokens=64, aging_threshold_s=aging)
+    engine.add_request("batch", [7, 8, 9], params(2), lane=2)
+    started_at = None
+    n = 0
+    for step in range(40):
+        # More P0 work every step than the batch can take: P0 always has someone waiting.
+        for _ in range(3):
+            engine.add_request(f"chat-{n}", [n % VOCAB, 1, 2], params(1), lane=0, tenant_id="chat")
+            n += 1
+        engine.step()
+        if started_at is None and "batch" in first_scheduled(engine):
+            started_at = clock()
+        assert engine.stats()["lanes"]["P0"]["waiting"] > 0 or started_at is not None
+        clock.advance(tick)
+    assert started_at is not None, "the P2 request starved"
+    assert aging <= started_at <= 2 * aging  # it did wait behind P0, and aging bounded the wait
+
+
+def test_aging_bounds_the_wait_even_for_a_tenant_long_served_in_its_own_lane():
+    """Known bug: an aged-up request is ordered by its tenant's served tokens in its *own*
+    lane against the served tokens of the lane it aged into (scheduler.py,
+    PriorityPolicy.waiting_key). A batch tenant with 300 tokens of P2 history sorts
+    behind every P0 tenant with less P0 history, and waited 12.5 s, not 2 s."""
+    aging, tick = 1.0, 0.25
+    clock = ManualClock()
+    engine = fake_engine(clock, max_num_seqs=2, max_num_batched_tokens=64, aging_threshold_s=aging)
+    for i in range(30):
+        engine.add_request(f"old-{i}", [i % VOCAB, 1, 2], params(8), lane=2, tenant_id="batch")
+    run_to_completion(engine)
+    arrival = clock()
+    engine.add_request("batch", [7, 8, 9], params(2), lane=2, tenant_id="batch")
+    started_at, n = None, 0
+    for step in range(80):
+        for _ in range(3):
+            engine.add_request(f"chat-{n}", [n % VOCAB, 1, 2], params(1), lane=0, tenant_id="chat")
+            n += 1
+        engine.step()
+        if "batch" in first_scheduled(engine):
+            started_at = clock()
+            break
+        clock.advance(tick)
+    assert started_at is not None and started_at - arrival <= 2 * aging, f"started {started_at} s after arriving"
+
+
+def test_two_p1_tenants_get_equal_token_shares_though_one_sends_ten_times_more():
+    engine = fake_engine(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64)
+    # Both backlogged for the whole window: "flood" queues 10x as many requests as "quiet".
+    for i in range(200):
+        engine.add_request(f"flood-{i}", [i % VOCAB, 1, 2, 3], params(4), lane=1, tenant_id="flood")
+    for i in range(20):
+        engine.add_request(f"quiet-{i}", [i % VOCAB, 4, 5, 6], params(4), lane=1, tenant_id="quiet")
+
+    def quiet_backlogged():
+        return any(s.tenant_id == "quiet" for s in engine.scheduler.waiting)
+
+    steps = 0
+    while quiet_backlogged():
+        engine.step()
+        steps += 1
+    served = {"flood": 0, "quiet": 0}
+    for schedule in engine.runner.schedules:
+        for item in schedule.scheduled:
+            served[item.seq.tenant_id] += item.num_new_tokens
+    assert steps > 20
+    total = served["flood"] + served["quiet"]
+    for tenant, tokens in served.items():
+        assert abs(tokens / total - 0.5) <= 0.5 * 0.2, (tenant, served)
+
+
+def test_fcfs_ignores_lanes():
+    engine = fake_engine(max_num_seqs=1, policy="fcfs")
+    for i, lane in enumerate([2, 1, 0, 2, 0]):
+        engine.add_request(f"r{i}-p{lane}", [i + 1, 2], params(2), lane=lane, arrival_time=float(i))
+    run_to_completion(engine)
+    assert start_order(engine) == ["r0-p2", "r1-p1", "r2-p0", "r3-p2", "r4-p0"]
+    assert engine.stats()["preemptions"] == 0
+
+
+def test_shortest_first_orders_by_max_tokens():
+    engine = fake_engine(max_num_seqs=1, policy="shortest_first")
+    for i, (lane, max_tokens) in enumerate([(0, 9), (2, 1), (1, 5), (0, 3), (2, 7)]):
+        engine.add_request(f"m{max_tokens}", [i + 1, 2], params(max_tokens), lane=lane, arrival_time=float(i))
+    outputs = run_to_completion(engine)
+    assert start_order(engine) == ["m1", "m3", "m5", "m7", "m9"]
+    for rid, outs in outputs.items():
+        assert len(tokens_of(outs)) == int(rid[1:])
+
+
+# -- preemption ---------------------------------------------------------------------------------
+
+
+def test_an_arriving_p0_preempts_running_p2_work_when_the_batch_is_full():
+    """vLLM issue #40004: a high-priority request waited behind a full batch of low-priority work."""
+    engine = fake_engine(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64)
+    batch = [engine.add_request(f"batch-{i}", [i + 1, 2, 3, 4, 5], params(40), lane=2, arrival_time=0.0) for i in range(2)]
+    for _ in range(3):
+        engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["batch-0", "batch-1"]
+
+    chat = engine.add_request("chat", [9, 9, 9], params(4), lane=0)
+    outs = engine.step()
+    stats = engine.stats()
+    assert chat.status is SequenceStatus.RUNNING
+    assert [o.request_id for o in outs if o.new_token_ids].count("chat") == 1  # TTFT: one step
+    assert stats["preemptions_swap"] == 1 and stats["preemptions_recompute"] == 0
+    assert stats["lanes"]["P2"] == {"waiting": 0, "running": 1, "swapped": 1, "aged_up": 0}
+    # The latest-arriving (here: highest seq_no) P2 is the victim.
+    assert [s.request_id for s in engine.scheduler.swapped] == ["batch-1"]
+    engine.block_manager.check_invariants(live_seqs(engine))
+
+    chat_tokens = tokens_of(o for o in outs if o.request_id == "chat")
+    outputs = run_to_completion(engine)
+    assert chat_tokens + tokens_of(outputs["chat"]) == expected_output([9, 9, 9], 4)
+    for i, seq in enumerate(batch):
+        assert outputs[f"batch-{i}"][-1].finish_reason == "length"
+        assert seq.output_token_ids == expected_output([i + 1, 2, 3, 4, 5], 40)
+    stats = engine.stats()
+    assert stats["blocks_free"] == stats["blocks_total"] and stats["swap_blocks_used"] == 0
+
+
+def test_a_p0_whose_prefix_is_cached_but_unreferenced_still_preempts_at_once():
+    """Known bug: _preempt_for_better_lanes (scheduler.py) subtracts every cached-prefix
+    block from the head's need, but unreferenced (evictable) cached blocks are already
+    counted in num_free_blocks and reviving them uses that room up, so it preempts
+    nobody, admission fails, and the P0 waits while the P2s evict its prefix (TTFT 3 steps)."""
+    engine = fake_engine(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    prefix = list(range(1, 17))
+    engine.add_request("warm", prefix, params(1), lane=1)
+    run_to_completion(engine)  # 4 keyed blocks, unreferenced: evictable
+    for i in range(2):
+        engine.add_request(f"batch-{i}", [30 + i] * 11, params(20), lane=2)
+    engine.step()  # the batch holds the 6 plain free blocks; only the cached 4 are left
+    assert engine.stats()["blocks_free"] == 4  # all of them the warm prompt's cached blocks
+
+    engine.add_request("chat", prefix + [50, 51, 52, 53], params(2), lane=0)
+    outs = engine.step()
+    assert [o.request_id for o in outs if o.new_token_ids].count("chat") == 1, "P0 TTFT was more than one step"
+    assert engine.stats()["preemptions"] == 1
+    outputs = run_to_completion(engine)
+    assert outputs["chat"][-1].finish_reason == "length"
+
+
+def test_a_p0_does_not_preempt_running_p0_work():
+    engine = fake_engine(max_num_seqs=1)
+    engine.add_request("first", [1, 2, 3], params(5), lane=0)
+    engine.step()
+    engine.add_request("second", [4, 5, 6], params(5), lane=0)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["first"]
+    assert engine.stats()["preemptions"] == 0
+
+
+# -- swap and recompute keep outputs exact (real tiny model) -----------------------------------------
+
+SAMPLINGS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.8, seed=1234, max_tokens=24, ignore_eos=True),
+}
+VICTIM_PROMPT = [(7 * i + 3) % VOCAB for i in range(10)]
+
+
+def run_alone(sampling: SamplingParams) -> list[int]:
+    engine = tiny_engine(swap_space_bytes=swap_bytes(16))
+    engine.add_request("victim", VICTIM_PROMPT, sampling, lane=2)
+    return tokens_of(run_to_completion(engine)["victim"])
+
+
+def run_preempted(sampling: SamplingParams, victim_lane: int, swap_blocks: int):
+    engine = tiny_engine(max_num_seqs=1, swap_space_bytes=swap_bytes(swap_blocks))
+    victim = engine.add_request("victim", VICTIM_PROMPT, sampling, lane=victim_lane)
+    tokens = []
+    for _ in range(5):
+        tokens += tokens_of(engine.step())
+    # A better lane arrives with the batch full: the victim makes room mid-generation.
+    engine.add_request("chat", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lane=0)
+    outputs = run_to_completion(engine)
+    return engine, victim, tokens + tokens_of(outputs["victim"])
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_a_swapped_p2_sequence_produces_the_tokens_it_would_have_unpreempted(sampling):
+    engine, victim, tokens = run_preempted(sampling, victim_lane=2, swap_blocks=16)
+    assert engine.stats()["preemptions_swap"] > 0 and engine.stats()["preemptions_recompute"] == 0
+    assert victim.num_preemptions > 0
+    assert tokens == run_alone(sampling)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+@pytest.mark.parametrize("victim_lane, swap_blocks", [(1, 16), (2, 0)], ids=["p1-victim", "no-swap-space"])
+def test_a_recomputed_sequence_produces_the_tokens_it_would_have_unpreempted(sampling, victim_lane, swap_blocks):
+    engine, victim, tokens = run_preempted(sampling, victim_lane, swap_blocks)
+    assert engine.stats()["preemptions_recompute"] > 0 and engine.stats()["preemptions_swap"] == 0
+    assert victim.num_preemptions > 0
+    assert tokens == run_alone(sampling)
+
+
+# -- admission control and queue timeouts ----------------------------------------------------------
+
+
+def test_a_full_lane_refuses_with_a_retry_after():
+    engine = fake_engine(lane_max_waiting=(2, 1, 3))
+    engine.add_request("a", [1, 2], params(2), lane=1)
+    with pytest.raises(QueueFullError) as refused:
+        engine.add_request("b", [1, 2], params(2), lane=1)
+    assert refused.value.lane == 1 and refused.value.retry_after_s >= 1
+    assert "b" not in engine.requests
+    # Other lanes have their own limits.
+    engine.add_request("c", [1, 2], params(2), lane=0)
+    engine.add_request("d", [1, 2], params(2), lane=2)
+    outputs = run_to_completion(engine)
+    assert sorted(outputs) == ["a", "c", "d"]
+
+
+def test_a_request_whose_estimated_wait_exceeds_the_lane_timeout_is_refused():
+    engine = fake_engine(max_num_seqs=1, lane_queue_timeout_s=(30.0, 1e-9, 3600.0))
+    engine.add_request("warmup", [1, 2, 3], params(4), lane=2)
+    run_to_completion(engine)  # the engine now knows its throughput
+    assert engine.stats()["tokens_per_s"] > 0
+    engine.add_request("running", [1, 2, 3], params(50), lane=1)
+    engine.step()
+    engine.add_request("queued", [4, 5, 6], params(50), lane=1)  # nothing waits ahead of it: admitted
+    with pytest.raises(QueueFullError) as refused:
+        engine.add_request("late", [4, 5, 6], params(5), lane=1)
+    assert refused.value.lane == 1 and refused.value.retry_after_s >= 1
+    assert "timeout" in refused.value.message
+    engine.add_request("p0", [4, 5, 6], params(5), lane=0)  # lane P0 has nobody waiting ahead
+
+
+def test_a_request_waiting_past_its_lane_timeout_fails_and_the_engine_keeps_serving():
+    clock = ManualClock()
+    engine = fake_engine(clock, max_num_seqs=1, lane_queue_timeout_s=(30.0, 5.0, 3600.0))
+    engine.add_request("holder", [1, 2, 3], params(20), lane=1)
+    engine.step()
+    waiter = engine.add_request("waiter", list(range(1, 13)), params(5), lane=1)
+    engine.step()
+    assert waiter.status is SequenceStatus.WAITING
+    clock.advance(5.5)
+    outs = engine.step()
+    failed = [o for o in outs if o.request_id == "waiter"]
+    assert len(failed) == 1 and failed[0].finished
+    assert failed[0].finish_reason == "error" and failed[0].error
+    assert failed[0].new_token_ids == ()
+    assert "waiter" not in engine.requests and waiter.block_table == [] and waiter.swap_table == []
+    engine.block_manager.check_invariants(live_seqs(engine))
+
+    engine.add_request("after", [4, 5, 6], params(3), lane=1)
+    outputs = run_to_completion(engine)
+    assert outputs["holder"][-1].finish_reason == "length"
+    assert tokens_of(outputs["after"]) == expected_output([4, 5, 6], 3)
+    stats = engine.stats()
+    assert stats["blocks_free"] == stats["blocks_total"]
+
+
+# -- random interleavings -------------------------------------------------------------------------
+
+PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9] * 8]
+# Pools that a handful of sequences overfill, so preemption, swapping and refusals are common.
+NUM_BLOCKS, BLOCK_SIZE, TOKEN_BUDGET, MAX_SEQS, SWAP_BLOCKS = 10, 4, 16, 4, 6
+LANE_MAX_WAITING = (3, 4, 6)
+LANE_TIMEOUTS = (4.0, 8.0, 30.0)
+TEARDOWN_STEPS = 2_000
+
+
+class PriorityMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.clock = ManualClock()
+        self.engine = fake_engine(
+            self.clock,
+            swap_blocks=SWAP_BLOCKS,
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            max_num_seqs=MAX_SEQS,
+            aging_threshold_s=3.0,
+            max_swaps_per_step=2,
+            lane_max_waiting=LANE_MAX_WAITING,
+            lane_queue_timeout_s=LANE_TIMEOUTS,
+        )
+        self.seqs = {}  # request id -> Sequence, every request admitted
+        self.tokens = {}  # request id -> tokens streamed so far
+        self.final = {}  # request id -> its finished RequestOutput
+        self.refused = 0
+        self.n = 0
+
+    @rule(
+        lane=st.integers(0, 2),
+        tenant=st.sampled_from(["a", "b", "c"]),
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 5), max_size=10),
+        max_tokens=st.integers(1, 16),
+    )
+    def submit(self, lane, tenant, prefix, suffix, max_tokens):
+        prompt = (prefix + suffix) or [0]
+        rid = f"r{self.n}"
+        self.n += 1
+        try:
+            self.seqs[rid] = self.engine.add_request(rid, prompt, params(max_tokens), lane=lane, tenant_id=tenant)
+        except QueueFullError as e:
+            assert e.lane == lane and e.retry_after_s >= 1
+            self.refused += 1
+            return
+        self.tokens[rid] = []
+
+    @rule(n=st.integers(1, 3), dt=st.sampled_from([0.0, 0.5, 1.0, 2.5, 5.0]))
+    def step(self, n, dt):
+        for _ in range(n):
+            self._step()
+            self.clock.advance(dt)
+
+    def _step(self):
+        before = len(self.engine.runner.schedules)
+        for out in self.engine.step():
+            self._record(out)
+        if len(self.engine.runner.schedules) == before:
+            return
+        schedule = self.engine.runner.schedules[-1]
+        counts = [s.num_new_tokens for s in schedule.scheduled]
+        assert sum(counts) == schedule.num_batched_tokens <= TOKEN_BUDGET
+        assert all(c >= 1 for c in counts)
+        assert len({id(s.seq) for s in schedule.scheduled}) == len(counts) <= MAX_SEQS
+        assert len(schedule.swap_out) <= SWAP_BLOCKS and len(schedule.swap_in) <= NUM_BLOCKS
+
+    def _record(self, out):
+        assert out.request_id not in self.final, f"{out.request_id} produced output after finishing"
+        self.tokens[out.request_id] += out.new_token_ids
+        if out.finished:
+            self.final[out.request_id] = out
+
+    @precondition(lambda self: self.engine.requests)
+    @rule(i=st.integers(0, 100))
+    def abort(self, i):
+        if i % 3:  # abort a third as often as the other rules run: a drained engine shows little
+            return
+        ids = sorted(self.engine.requests)
+        out = self.engine.abort(ids[i % len(ids)])
+        assert out.finished and out.finish_reason == "abort"
+        self._record(out)
+
+    @invariant()
+    def books_balance(self):
+        engine = self.engine
+        live = live_seqs(engine)
+        engine.block_manager.check_invariants(live)
+        stats = engine.stats()
+        assert stats["blocks_free"] + stats["blocks_used"] == stats["blocks_total"] == NUM_BLOCKS
+        assert stats["swap_blocks_used"] <= stats["swap_blocks_total"] == SWAP_BLOCKS
+        assert engine.block_manager.swap.num_free_blocks + stats["swap_blocks_used"] == SWAP_BLOCKS
+        assert stats["running"] <= MAX_SEQS
+        assert {s.request_id for s in live} == set(engine.requests)
+        for rid, seq in self.seqs.items():
+            if seq.status is SequenceStatus.FINISHED:
+                assert seq.block_table == [] and seq.swap_table == [], f"{rid} finished but holds blocks"
+            elif seq.status is SequenceStatus.SWAPPED:
+                assert seq.block_table == [] and seq.swap_table
+            else:
+                assert seq.swap_table == []
+            # What has streamed out so far is always a prefix of the right answer.
+            assert self.tokens[rid] == expected_output(seq.prompt_token_ids, len(self.tokens[rid]))
+
+    def teardown(self):
+        engine = self.engine
+        for _ in range(TEARDOWN_STEPS):
+            if not engine.has_unfinished():
+                break
+            self._step()
+            engine.block_manager.check_invariants(live_seqs(engine))
+        else:
+            raise AssertionError(f"engine still busy after {TEARDOWN_STEPS} steps: {engine.stats()}")
+        stats = engine.stats()
+        assert stats["blocks_free"] == NUM_BLOCKS and stats["swap_blocks_used"] == 0
+        assert engine.block_manager.swap.num_free_blocks == SWAP_BLOCKS
+        engine.block_manager.check_invariants([])
+        assert set(self.final) == set(self.seqs)
+        for rid, seq in self.seqs.items():
+            out = self.final[rid]
+            assert out.finish_reason in ("length", "abort", "error"), (rid, out.finish_reason)
+            if out.finish_reason == "length":
+                assert self.tokens[rid] == expected_output(seq.prompt_token_ids, seq.params.max_tokens)
+            elif out.finish_reason == "error":
+                assert out.error and self.tokens[rid] == []
+
+
+PriorityMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_priority_random_interleavings = PriorityMachine.TestCase
