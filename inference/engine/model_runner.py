@@ -36,7 +36,8 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Host memory for swapped-out sequences, same layout; pinned on CUDA for fast copies.
-        self.swap_cache = torch.zeros(
+        # Not zeroed: only blocks written by a swap-out are ever read back.
+        self.swap_cache = torch.empty(
             cfg.num_layers, 2, num_swap_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=model.dtype, pin_memory=self.device.type == "cuda",
         )

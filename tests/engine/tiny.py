@@ -80,10 +80,13 @@ def tiny_engine(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 8,
     clock: ManualClock | None = None,
+    swap_space_bytes: int = 64 * 1024,
     **overrides,
 ) -> LLMEngine:
-    """A tiny-model engine on a manual clock (arrival times in tests are on that clock)."""
+    """A tiny-model engine on a manual clock (arrival times in tests are on that clock),
+    with a swap pool sized for tiny models rather than the 1 GiB default."""
     config = EngineConfig(
+        swap_space_bytes=swap_space_bytes,
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_batched_tokens=max_num_batched_tokens,
