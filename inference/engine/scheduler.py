@@ -86,8 +86,12 @@ class PriorityPolicy(Policy):
         return max(0, seq.lane - int(max(0.0, now - seq.arrival_time) // self.aging))
 
     def waiting_key(self, seq: Sequence, now: float) -> tuple:
-        served = self.virtual[seq.lane].get(seq.tenant_id, 0.0)
-        return (self.effective_lane(seq, now), served, seq.arrival_time, seq.seq_no)
+        lane = self.effective_lane(seq, now)
+        if lane < seq.lane:
+            # Aged up: its tenant's service was counted in another lane, so it cannot be
+            # compared with this lane's; it has waited longest, so it goes first here.
+            return (lane, 0, 0.0, seq.arrival_time, seq.seq_no)
+        return (lane, 1, self.virtual[seq.lane].get(seq.tenant_id, 0.0), seq.arrival_time, seq.seq_no)
 
     def victim_key(self, seq: Sequence, now: float) -> tuple:
         # Worst lane first, latest arrival first.
@@ -277,9 +281,9 @@ class Scheduler:
         policy, bm = self.policy, self.block_manager
         head = min(self.waiting, key=lambda s: policy.waiting_key(s, now))
         lane = policy.effective_lane(head, now)
-        need = bm.blocks_needed(min(head.num_tokens, self.config.max_num_batched_tokens))
-        need -= len(bm.find_cached_prefix(head).blocks)
-        while self.running and (len(self.running) >= self.config.max_num_seqs or bm.num_free_blocks < need):
+        prefix = bm.find_cached_prefix(head)
+        num_new = min(head.num_tokens - prefix.num_tokens(bm.block_size), step.budget)
+        while self.running and (len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(head, num_new, prefix)):
             victim = self.running[-1]
             if policy.effective_lane(victim, now) <= lane:
                 return
