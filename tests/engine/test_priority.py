@@ -103,10 +103,10 @@ def test_a_p2_request_under_saturating_p0_load_starts_within_two_aging_threshold
 
 
 def test_aging_bounds_the_wait_even_for_a_tenant_long_served_in_its_own_lane():
-    """Known bug: an aged-up request is ordered by its tenant's served tokens in its *own*
-    lane against the served tokens of the lane it aged into (scheduler.py,
-    PriorityPolicy.waiting_key). A batch tenant with 300 tokens of P2 history sorts
-    behind every P0 tenant with less P0 history, and waited 12.5 s, not 2 s."""
+    """An aged-up request must not be ordered by its tenant's served tokens in its own lane
+    against those of the lane it aged into: a batch tenant with 300 tokens of P2 history
+    then sorted behind every P0 tenant with less P0 history, and waited 12.5 s, not 2 s
+    (fixed in 8300431)."""
     aging, tick = 1.0, 0.25
     clock = ManualClock()
     engine = fake_engine(clock, max_num_seqs=2, max_num_batched_tokens=64, aging_threshold_s=aging)
@@ -205,10 +205,10 @@ def test_an_arriving_p0_preempts_running_p2_work_when_the_batch_is_full():
 
 
 def test_a_p0_whose_prefix_is_cached_but_unreferenced_still_preempts_at_once():
-    """Known bug: _preempt_for_better_lanes (scheduler.py) subtracts every cached-prefix
-    block from the head's need, but unreferenced (evictable) cached blocks are already
-    counted in num_free_blocks and reviving them uses that room up, so it preempts
-    nobody, admission fails, and the P0 waits while the P2s evict its prefix (TTFT 3 steps)."""
+    """Unreferenced (evictable) cached-prefix blocks are already counted as free, and
+    reviving them uses that room up: subtracting them from the head's need preempted
+    nobody, admission failed, and the P0 waited while the P2s evicted its prefix
+    (TTFT 3 steps; fixed in 8300431)."""
     engine = fake_engine(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     prefix = list(range(1, 17))
     engine.add_request("warm", prefix, params(1), lane=1)
