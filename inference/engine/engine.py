@@ -92,12 +92,17 @@ class LLMEngine:
         arrival_time: float | None = None,
         lane: int = 1,
         tenant_id: str | None = None,
+        admission_control: bool = True,
     ) -> Sequence:
-        """Validate and queue a request. Raises InvalidRequestError; never half-adds."""
+        """Validate and queue a request. Raises InvalidRequestError (bad request) or
+        QueueFullError (the lane cannot take it now); never half-adds.
+
+        `admission_control=False` skips the lane's queue limits (offline `generate`)."""
         params = params or SamplingParams()
         if lane not in LANES:
             raise InvalidRequestError(f"lane must be one of {LANES}", param="priority")
-        self._admission_control(lane, params)
+        if admission_control:
+            self._admission_control(lane, params)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self.requests:
@@ -199,8 +204,11 @@ class LLMEngine:
             self.block_manager.forget(schedule.cache_entered)
             raise
         if schedule.num_batched_tokens:
+            # A slowly decaying peak, not an average: light load runs small batches, and their
+            # rate says nothing of what the engine can do once a queue builds (an average
+            # after one warm-up request refused work the engine would finish in time).
             rate = schedule.num_batched_tokens / max(time.perf_counter() - started, 1e-6)
-            self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
+            self.tokens_per_s = max(rate, 0.98 * self.tokens_per_s)
         return self._timed_out_outputs(schedule) + self._postprocess(schedule, sampled)
 
     def _timed_out_outputs(self, schedule) -> list[RequestOutput]:
@@ -291,7 +299,7 @@ class LLMEngine:
         """Run every prompt to completion; results in the order of `prompts`."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
-        seqs = [self.add_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params_list)]
+        seqs = [self.add_request(rid, p, sp, admission_control=False) for rid, p, sp in zip(ids, prompts, params_list)]
         texts = {rid: [] for rid in ids}
         logprobs = {rid: [] for rid in ids}
         while any(not s.is_finished for s in seqs):

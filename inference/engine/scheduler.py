@@ -252,7 +252,8 @@ class Scheduler:
 
     def _expire_waiting(self, now: float) -> list[Sequence]:
         limits = self.config.lane_queue_timeout_s
-        expired = [s for s in self.waiting if s.num_computed_tokens == 0 and s.num_output_tokens == 0 and now - s.arrival_time > limits[s.lane]]
+        # Only requests never served: a preempted one is waiting again but was not left waiting.
+        expired = [s for s in self.waiting if s.num_preemptions == 0 and now - s.arrival_time > limits[s.lane]]
         for seq in expired:
             self.finish(seq, "error")
         return expired
