@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 from dataclasses import replace
 import random
 import sys
@@ -175,10 +176,30 @@ def hf_batch1(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
 
 
 def llama_cpp_batch1(prompt: list[int], new_tokens: int, threads: int):
+    """llama.cpp's batch-1 decode, in a child process: a native build can die of SIGILL
+    on a VM that hides an instruction set its CPU flags advertise (seen here with AMX)."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_llama_cpp_child, args=(prompt, new_tokens, threads, results))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        print(f"llama.cpp: child process died (exit code {child.exitcode}); skipped", flush=True)
+        return None
+    return results.get()
+
+
+def _llama_cpp_child(prompt, new_tokens, threads, results) -> None:
+    results.put(_llama_cpp_run(prompt, new_tokens, threads))
+
+
+def _llama_cpp_run(prompt: list[int], new_tokens: int, threads: int):
+    from llama_cpp import Llama
+
     llm = Llama(model_path=str(resolve_source("SmolLM2-135M-Instruct").path), n_ctx=512, n_threads=threads, verbose=False)
     llm.reset()
     start = time.perf_counter()
