@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from inference.engine.errors import QueueFullError
 from inference.engine.sequence import SamplingParams, SequenceStatus
-from tests.engine.tiny import TINY, VOCAB, ManualClock, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
+from tests.engine.tiny import expected_output, greedy_params as params, TINY, VOCAB, ManualClock, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
 
@@ -30,17 +30,6 @@ def swap_bytes(num_blocks: int, block_size: int = 4) -> int:
     gigabyte of host memory per engine, seconds each on a busy machine.
     """
     return num_blocks * block_size * TINY.kv_bytes_per_token(torch.float32)
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(sum(tokens[-3:]) % VOCAB)
-    return tokens[len(prompt) :]
-
-
-def params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def fake_engine(clock: ManualClock | None = None, swap_blocks: int = 16, **kw):

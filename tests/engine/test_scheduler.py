@@ -12,20 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from inference.engine.sequence import SamplingParams, SequenceStatus
-from tests.engine.tiny import VOCAB, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
+from tests.engine.tiny import expected_output, greedy_params as params, VOCAB, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(sum(tokens[-3:]) % VOCAB)
-    return tokens[len(prompt) :]
-
-
-def params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def fake_engine(**kw):

@@ -126,6 +126,18 @@ def live_seqs(engine: LLMEngine) -> list[Sequence]:
     return list(engine.scheduler.running) + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
 
 
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    """The n tokens SumRunner produces after `prompt`."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(sum(tokens[-3:]) % VOCAB)
+    return tokens[len(prompt) :]
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
 class SumRunner:
     """Deterministic stand-in for the model runner: next token = sum of the last 3 tokens mod vocab.
 
