@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from inference.engine.sequence import SamplingParams, SequenceStatus
+from inference.engine.sequence import SequenceStatus
 from tests.engine.tiny import expected_output, greedy_params as params, VOCAB, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
