@@ -282,6 +282,8 @@ class Scheduler:
         policy, bm = self.policy, self.block_manager
         head = min(self.waiting, key=lambda s: policy.waiting_key(s, now))
         lane = policy.effective_lane(head, now)
+        if policy.effective_lane(self.running[-1], now) <= lane:
+            return  # nobody running is worse off: skip hashing the head's prompt (the common case)
         prefix = bm.find_cached_prefix(head)
         num_new = min(head.num_tokens - prefix.num_tokens(bm.block_size), step.budget)
         while self.running and (len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(head, num_new, prefix)):
