@@ -11,16 +11,18 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
+from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
 
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a
 # browser page cannot attach to another site's socket, and most API clients send no Origin.
-application = ProtocolTypeRouter(
+# EngineLifespan starts loading the model when the server starts serving (never at import).
+application = EngineLifespan(ProtocolTypeRouter(
     {
         # Streaming (SSE) routes first, each wrapped in the key middleware by
         # inference.routing; everything else is plain Django (DRF authenticates itself).
         "http": URLRouter([*http_routes, re_path(r"", django_asgi_app)]),
         "websocket": ApiKeyAuthMiddleware(URLRouter(websocket_routes)),
     }
-)
+))

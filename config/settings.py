@@ -41,6 +41,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "tenants",
     "inference",
@@ -144,6 +146,7 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "tenants.errors.openai_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
 
@@ -165,6 +168,36 @@ INFERENCE = {
     "MAX_BATCHED_TOKENS": env.int("INFERENCE_MAX_BATCHED_TOKENS", default=2048),
     "POLICY": env.str("INFERENCE_POLICY", default="priority"),
     "AGING_S": env.float("INFERENCE_AGING_S", default=30.0),
+    # Longest prompt + completion, in tokens (0: the model's own context length).
+    "MAX_MODEL_LEN": env.int("INFERENCE_MAX_MODEL_LEN", default=0),
+    # How long a request that arrives while the model is still loading waits for it.
+    "LOAD_WAIT_S": env.float("INFERENCE_LOAD_WAIT_S", default=120.0),
+}
+
+# --- serving ------------------------------------------------------------------------------
+
+# Largest request body (and WebSocket message) accepted, checked while the body arrives,
+# whatever Content-Length says.
+MAX_REQUEST_BYTES = env.int("MAX_REQUEST_BYTES", default=1024 * 1024)
+# An SSE stream that has sent nothing for this long gets a `: heartbeat` comment, so
+# proxies and clients do not time out while a request waits in its lane.
+SSE_HEARTBEAT_S = env.float("SSE_HEARTBEAT_S", default=15.0)
+# A WebSocket that does not authenticate (header or first message) within this long is closed.
+WS_AUTH_TIMEOUT_S = env.float("WS_AUTH_TIMEOUT_S", default=10.0)
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "LLM inference platform API",
+    "DESCRIPTION": (
+        "OpenAI-compatible chat and text completions, the platform's own SSE and WebSocket "
+        "streaming endpoints, and operator endpoints. Authenticate with `Authorization: Bearer sk-...`."
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's files come from the drf-spectacular-sidecar package: no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
 }
 
 # --- production hardening -----------------------------------------------------------------

@@ -1,15 +1,27 @@
-"""URL map: the OpenAI-shaped API under /v1/, probes, and the admin console."""
+"""URL map: the OpenAI-shaped API under /v1/, operator endpoints, probes, schema, admin.
+
+The generation endpoints (/v1/chat/completions, /v1/completions, /api/v1/inference/chat)
+and the WebSocket are Channels consumers, routed before Django in `config.asgi`.
+"""
 from django.conf import settings
 from django.contrib import admin
 from django.contrib.staticfiles.urls import staticfiles_urlpatterns
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from inference import health
+from inference import health, operator_views
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", operator_views.metrics, name="metrics"),
     path("v1/", include("inference.urls")),
+    path("api/v1/engine/stats", operator_views.engine_stats, name="engine-stats"),
+    # The schema covers the consumer endpoints too (see inference.openapi); open to all, as docs are.
+    path("api/schema/", SpectacularAPIView.as_view(urlconf="inference.openapi", authentication_classes=[],
+                                                   permission_classes=[], throttle_classes=[]), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", authentication_classes=[],
+                                                     permission_classes=[], throttle_classes=[]), name="swagger-ui"),
     path("admin/", admin.site.urls),
 ]
 

@@ -1,16 +1,16 @@
-"""The engine's part in /readyz.
-
-Until the engine is wired into the web process there is none to ask, which is fine:
-a process that serves no engine is ready as far as the engine goes.
-"""
+"""The engine's part in /readyz: ready only once this process's engine serves."""
 from dataclasses import dataclass
+
+from inference.host import READY, host
 
 
 @dataclass(frozen=True)
 class EngineState:
     state: str  # "not started", "loading", "ready", "failed"
     ready: bool
+    detail: str = ""
 
 
 def engine_state() -> EngineState:
-    return EngineState(state="not started", ready=True)
+    state = host.state
+    return EngineState(state=state, ready=state == READY, detail=host.error)

@@ -1,10 +1,29 @@
-"""Channels routes: streaming HTTP (SSE) consumers and WebSocket consumers.
+"""Channels routes: the endpoints that talk to the engine.
 
-Every route here wraps its consumer in `tenants.middleware.ApiKeyAuthMiddleware` (the
-WebSocket router as a whole is wrapped in `config.asgi`). Streaming endpoints arrive
-with the chat completions issue; until then plain Django serves all HTTP.
+Each HTTP consumer is wrapped in `tenants.middleware.ApiKeyAuthMiddleware` (key and
+requests/min); the WebSocket router as a whole is wrapped in `config.asgi`. Everything
+else over HTTP is plain Django (DRF authenticates itself).
 """
-from django.urls import URLPattern
+from django.urls import path
 
-http_routes: list[URLPattern] = []
-websocket_routes: list[URLPattern] = []
+from inference.consumers import OpenAIConsumer, PlatformChatConsumer
+from inference.websocket import ChatSocketConsumer
+from tenants.middleware import ApiKeyAuthMiddleware
+
+
+class ChatCompletionsConsumer(OpenAIConsumer):
+    kind = "chat"
+
+
+class CompletionsConsumer(OpenAIConsumer):
+    kind = "completion"
+
+
+http_routes = [
+    path("v1/chat/completions", ApiKeyAuthMiddleware(ChatCompletionsConsumer.as_asgi())),
+    path("v1/completions", ApiKeyAuthMiddleware(CompletionsConsumer.as_asgi())),
+    path("api/v1/inference/chat", ApiKeyAuthMiddleware(PlatformChatConsumer.as_asgi())),
+]
+websocket_routes = [
+    path("ws/v1/chat", ChatSocketConsumer.as_asgi()),
+]

@@ -99,6 +99,26 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(last[2]) - now) + 1)
 return 1
 """
 
+# Give units back to a bucket (a reservation that was not used up). KEYS: the bucket.
+# ARGV: period_ms, limit, units. The level drains first, then loses the units, never below 0.
+_TOKEN_REFUND = """
+local stored = redis.call('GET', KEYS[1])
+if not stored then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local period, limit, units = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local rate = limit / period
+local sep = string.find(stored, ' ')
+local old, at = tonumber(string.sub(stored, 1, sep - 1)), tonumber(string.sub(stored, sep + 1))
+local level = math.max(0, math.min(limit, old - (now - at) * rate) - units)
+if level <= 0 then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('SET', KEYS[1], string.format('%.17g %.17g', level, now), 'PX', math.ceil(level / rate) + 1)
+end
+return 1
+"""
+
 # A monthly counter only grows while it exists; a missing one must be seeded from the
 # database first (Redis may have lost it). KEYS: the counter. ARGV: amount.
 # Returns the new total, or nil when the counter is missing.
@@ -173,6 +193,7 @@ class Limiter:
         self._lease_acquire = client.register_script(_LEASE_ACQUIRE)
         self._lease_renew = client.register_script(_LEASE_RENEW)
         self._counter_add = client.register_script(_COUNTER_ADD)
+        self._refund = client.register_script(_TOKEN_REFUND)
 
     def key(self, scope: str, name: str) -> str:
         return f"{self.namespace}:{{{scope}}}:{name}"
@@ -201,6 +222,11 @@ class Limiter:
             for i, name in enumerate(names)
         )
         return Decision(allowed=bool(reply[0]), buckets=buckets)
+
+    def refund(self, scope: str, name: str, limit: int, period_s: float, units: int) -> None:
+        """Give `units` back to a bucket that `admit` charged (a reservation left unused)."""
+        if units > 0:
+            self._refund(keys=[self.key(scope, name)], args=[_ms(period_s), limit, units])
 
     def acquire_lease(self, scope: str, name: str, limit: int, ttl_s: float) -> tuple[Lease | None, Decision]:
         """Take one of `limit` slots for `ttl_s`; the Lease is None when all are held."""

@@ -1,6 +1,8 @@
 """Channels: the same key authentication and requests/min check for SSE and WebSocket scopes.
 
 On success the scope gains `tenant`, `api_key` and `rate_limit` (the admitting decision).
+A WebSocket handshake without an Authorization header passes with `tenant` None: its
+consumer authenticates the first message.
 A refused HTTP request gets the OpenAI-shaped error response. A refused WebSocket is
 accepted, sent the error as one JSON text frame, and closed with code 4000 + HTTP status
 (4401, 4429): a plain handshake refusal would reach the client as a bare 403.
@@ -38,10 +40,13 @@ class ApiKeyAuthMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        header = _header(scope, b"authorization")
+        if header is None and scope["type"] == "websocket":
+            # Browsers cannot set headers on a WebSocket: the consumer takes the key from
+            # the first message instead (scope["tenant"] is None until it does).
+            return await self.app({**scope, "tenant": None, "api_key": None, "rate_limit": None}, receive, send)
         try:
-            api_key, decision = await database_sync_to_async(_authenticate_and_admit)(
-                _header(scope, b"authorization")
-            )
+            api_key, decision = await database_sync_to_async(_authenticate_and_admit)(header)
         except errors.ApiError as error:
             return await _refuse(scope, receive, send, error)
         except redis.RedisError as exc:

@@ -47,11 +47,12 @@ def admit_request(tenant: Tenant) -> Decision:
     return decision
 
 
-def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Decision:
-    """Admit a generation of up to `prompt_tokens + max_tokens` tokens.
+def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int, choices: int = 1) -> Decision:
+    """Admit a generation of up to `prompt_tokens + max_tokens * choices` tokens.
 
-    Tokens/min is charged up front for the most the request can use (as OpenAI does), so
-    a burst of long requests cannot overrun it; the monthly budget counts what was used.
+    Tokens/min is reserved up front for the most the request can use (as OpenAI does), so
+    a burst of long requests cannot overrun it; `settle_tokens` gives back what it did not
+    use once it ends. The monthly budget counts only what was used.
     """
     tier = tenant.tier
     if max_tokens > tier.max_tokens_per_request:
@@ -61,18 +62,25 @@ def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Decisio
             code="max_tokens_exceeded",
             param="max_tokens",
         )
-    cost = prompt_tokens + max_tokens
+    cost = prompt_tokens + max_tokens * choices
     if cost > tier.tokens_per_minute:
         raise errors.ApiError(
             400,
             f"This request may use {cost} tokens, more than this tier's {tier.tokens_per_minute} tokens per minute.",
             code="tokens_exceed_rate_limit",
+            param="max_tokens",
         )
     check_monthly_budget(tenant)
     decision = limiter().admit(_scope(tenant), MINUTE_S, {"tokens": (tier.tokens_per_minute, cost)})
     if not decision.allowed:
         raise errors.rate_limited(decision)
     return decision
+
+
+def settle_tokens(tenant: Tenant, reserved: int, used: int) -> None:
+    """Give back the part of a tokens/min reservation a finished request did not use."""
+    if reserved > used:
+        limiter().refund(_scope(tenant), "tokens", tenant.tier.tokens_per_minute, MINUTE_S, reserved - used)
 
 
 def open_stream(tenant: Tenant, ttl_s: float | None = None) -> Lease:

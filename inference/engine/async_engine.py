@@ -144,6 +144,7 @@ class RequestStream:
         self._owner = owner
         self._state = state
         self._closed = False
+        self._final: RequestOutput | None = None
 
     @property
     def request_id(self) -> str:
@@ -174,7 +175,32 @@ class RequestStream:
         st.pending.clear()
         if out.finished:
             self._closed = True
+            self._final = out
         return out
+
+    async def final(self, timeout: float = 5.0) -> RequestOutput | None:
+        """The request's last output, whose counters are its totals (tokens generated, prompt
+        and cached tokens). Closes the stream first if it is still open (aborting the request)
+        and waits for the engine's answer to that; None if none comes within `timeout`."""
+        if self._final is not None:
+            return self._final
+        self._close()
+        st = self._state
+        deadline = st.loop.time() + timeout
+        while (done := next((o for o in st.pending if o.finished), None)) is None:
+            remaining = deadline - st.loop.time()
+            if remaining <= 0:
+                return None
+            st.waiter = st.loop.create_future()
+            try:
+                await asyncio.wait_for(st.waiter, remaining)
+            except asyncio.TimeoutError:
+                return None
+            finally:
+                st.waiter = None
+        st.pending.clear()
+        self._final = done
+        return done
 
     async def aclose(self) -> None:
         self._close()

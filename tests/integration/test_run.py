@@ -62,7 +62,8 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
     )
     started: set[int] = set()
     try:
-        deadline = time.monotonic() + 90
+        # Ready means the model is loaded (a first run also builds the C++ kernels).
+        deadline = time.monotonic() + 300
         while get(f"http://127.0.0.1:{port}/readyz") != 200:
             assert launcher.poll() is None, (tmp_path / "run.log").read_text()
             assert time.monotonic() < deadline, "never ready:\n" + (tmp_path / "run.log").read_text()

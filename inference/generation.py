@@ -1,0 +1,389 @@
+"""One API call's generation, from admission to settlement, whatever the transport.
+
+The SSE consumers, the plain-JSON path and the WebSocket consumer all drive a
+`Generation` the same way:
+
+    gen = Generation(request, caller, ...)
+    await gen.start()              # admission: engine, model, lane, tokens, quota, lease, submit
+    async for batch in gen.events(idle_s): ...   # coalesced deltas; [] after idle_s of silence
+    await gen.close()              # always, in `finally`: abort what runs, bill, refund, release
+
+`start` raises `ApiError` (the OpenAI error shape) for every refusal, having released
+whatever it took. `close` is safe to call more than once and after a cancellation: it
+aborts the engine requests still open, waits briefly for their final counters, records
+usage with the tokens actually generated (aborted requests included), gives back the
+unused part of the tokens/min reservation and releases the stream lease.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from channels.db import database_sync_to_async
+
+from inference import catalog
+from inference.engine.async_engine import EngineNotRunningError, RequestStream
+from inference.engine.errors import InvalidRequestError, QueueFullError
+from inference.engine.sequence import RequestOutput
+from inference.host import LOADING, EngineUnavailable, host
+from inference.protocol import GenerationRequest, bad_request
+from tenants import actions, errors, quota
+from tenants.errors import ApiError
+from tenants.limits import Decision, Lease
+from tenants.models import ApiKey, Tenant
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's default
+FINAL_OUTPUT_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the authenticated key's tenant (tier loaded) and the key."""
+
+    tenant: Tenant
+    api_key: ApiKey | None = None
+    rate_limit: Decision | None = None  # the requests/min decision that admitted this call
+
+
+def resolve_lane(tier_lane: int, requested: int | None, param: str = "priority") -> int:
+    """The tier's lane is the best a tenant gets; it may ask for a worse one, never a better one."""
+    if requested is None:
+        return tier_lane
+    if requested < tier_lane:
+        raise ApiError(
+            403,
+            f"This key's tier may use lane P{tier_lane} or a lower-priority one (P{tier_lane}..P2); "
+            f"P{requested} was asked for.",
+            type="permission_error",
+            code="priority_not_allowed",
+            param=param,
+        )
+    return requested
+
+
+def engine_error(exc: Exception) -> ApiError:
+    """The API's answer to an engine refusal at submit time."""
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, exc.message, code=exc.code, param=exc.param)
+    if isinstance(exc, QueueFullError):
+        return ApiError(
+            429,
+            f"The server is at capacity for this priority lane: {exc.message}.",
+            type="engine_overloaded",
+            code="lane_full",
+            headers={"Retry-After": errors.retry_after(exc.retry_after_s)},
+        )
+    if isinstance(exc, EngineUnavailable):
+        loading = exc.state == LOADING
+        return ApiError(
+            503,
+            "The model is still loading; retry shortly." if loading else f"The engine is unavailable ({exc}).",
+            type="server_error",
+            code="model_loading" if loading else "engine_unavailable",
+            headers={"Retry-After": "5" if loading else "30"},
+        )
+    if isinstance(exc, EngineNotRunningError):
+        return ApiError(503, f"The engine is unavailable ({exc}).", type="server_error", code="engine_unavailable",
+                        headers={"Retry-After": "30"})
+    raise exc
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    stream: RequestStream
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    final: RequestOutput | None = None
+    error: str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class Generation:
+    request: GenerationRequest
+    caller: Caller
+    header_priority: int | None = None
+    hold_lease: bool = False
+    id_prefix: str = "chatcmpl"
+
+    id: str = field(init=False)
+    created: int = field(init=False)
+    lane: int = field(init=False, default=1)
+    model: str = field(init=False, default="")
+    prompt_token_ids: list[list[int]] = field(init=False, default_factory=list)
+    prompt_texts: list[str] = field(init=False, default_factory=list)  # completions: for `echo`
+    choices: list[Choice] = field(init=False, default_factory=list)
+    usage: Usage = field(init=False, default_factory=Usage)
+    token_decision: Decision | None = field(init=False, default=None)
+    _reserved: int = field(init=False, default=0)
+    _lease: Lease | None = field(init=False, default=None)
+    _renewer: asyncio.Task | None = field(init=False, default=None)
+    _pumps: list[asyncio.Task] = field(init=False, default_factory=list)
+    _queue: asyncio.Queue = field(init=False, default_factory=asyncio.Queue)
+    _open: int = field(init=False, default=0)
+    _started_at: float = field(init=False, default_factory=time.monotonic)
+    _first_token_at: float | None = field(init=False, default=None)
+    _closed: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.caller.tenant
+
+    def rate_limit_headers(self) -> dict[str, str]:
+        headers = {}
+        for decision in (self.caller.rate_limit, self.token_decision):
+            if decision is not None:
+                headers.update(errors.rate_limit_headers(decision))
+        return headers
+
+    # -- admission ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
+        request, tier = self.request, self.tenant.tier
+        self.model = catalog.served_model_id()
+        if request.model is not None and request.model != self.model:
+            raise ApiError(404, f"The model '{request.model}' does not exist; this server serves '{self.model}'.",
+                           code="model_not_found", param="model")
+        self.lane = resolve_lane(tier.lane, request.priority if request.priority is not None else self.header_priority,
+                                 "priority" if request.priority is not None else "X-Priority")
+        try:
+            engine = await host.wait_engine()
+        except EngineUnavailable as exc:
+            raise engine_error(exc) from None
+        self.prompt_token_ids = await asyncio.to_thread(self._tokenize)
+        max_tokens = self._max_tokens(engine.engine.max_model_len)
+        choices = request.n * len(self.prompt_token_ids)
+        prompt_tokens = sum(len(p) for p in self.prompt_token_ids)
+        self.token_decision = await database_sync_to_async(quota.admit_tokens)(self.tenant, prompt_tokens, max_tokens, choices)
+        self._reserved = prompt_tokens + max_tokens * choices
+        if self.hold_lease:
+            self._lease = await asyncio.to_thread(quota.open_stream, self.tenant)
+            self._renewer = asyncio.create_task(self._renew_lease(self._lease))
+        salt = f"tenant:{self.tenant.pk}" if tier.isolate_prefix_cache else None
+        for p, token_ids in enumerate(self.prompt_token_ids):
+            for j in range(request.n):
+                index = len(self.choices)
+                try:
+                    stream = await engine.submit(
+                        f"{self.id}-{index}", token_ids, request.sampling_params(max_tokens, seed_offset=j),
+                        lane=self.lane, tenant_id=self.tenant.engine_id, cache_salt=salt,
+                    )
+                except (InvalidRequestError, QueueFullError, EngineNotRunningError) as exc:
+                    raise engine_error(exc) from None
+                choice = Choice(index, p, stream)
+                self.choices.append(choice)
+                self._pumps.append(asyncio.create_task(self._pump(choice)))
+                self._open += 1
+
+    def _tokenize(self) -> list[list[int]]:
+        tokenizer = host.tokenizer
+        if self.request.kind == "chat":
+            try:
+                return [tokenizer.encode_chat(list(self.request.messages))]
+            except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
+                raise bad_request(f"The conversation could not be rendered with the model's chat template: {exc}",
+                                  "messages", "invalid_messages") from None
+        vocab = host.engine().engine.vocab_size
+        out = []
+        for prompt in self.request.prompts:
+            if isinstance(prompt, str):
+                out.append(tokenizer.encode(prompt))
+                self.prompt_texts.append(prompt)
+                continue
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "prompt", "invalid_token_id")
+            out.append(list(prompt))
+            self.prompt_texts.append(tokenizer.decode(prompt) if self.request.echo else "")
+        if any(not ids for ids in out):
+            raise bad_request("A prompt encodes to no tokens.", "prompt", "empty_prompt")
+        return out
+
+    def _max_tokens(self, max_model_len: int) -> int:
+        """The request's max_tokens, or the most its context, tier and rate limit allow."""
+        tier = self.tenant.tier
+        longest = max(len(p) for p in self.prompt_token_ids)
+        param = "messages" if self.request.kind == "chat" else "prompt"
+        if longest >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has {longest} tokens.",
+                param, "context_length_exceeded",
+            )
+        asked = self.request.max_tokens
+        if asked is not None:
+            if longest + asked > max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {max_model_len} tokens, but {longest + asked} were requested "
+                    f"({longest} in the prompt, {asked} for the completion). Lower max_tokens or shorten the prompt.",
+                    "max_tokens", "context_length_exceeded",
+                )
+            return asked
+        choices = self.request.n * len(self.prompt_token_ids)
+        by_rate = (tier.tokens_per_minute - sum(len(p) for p in self.prompt_token_ids)) // choices
+        default = tier.max_tokens_per_request if self.request.kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS
+        return max(1, min(default, tier.max_tokens_per_request, max_model_len - longest, by_rate))
+
+    async def _renew_lease(self, lease: Lease) -> None:
+        while True:
+            await asyncio.sleep(lease.ttl_s / 3)
+            try:
+                await asyncio.to_thread(quota.renew_stream, lease)
+            except Exception as exc:  # Redis blipped: the lease may lapse, the stream goes on
+                log.warning("generation %s: could not renew its stream lease: %s", self.id, exc)
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            async for out in choice.stream:
+                self._queue.put_nowait((choice, out))
+        except Exception as exc:  # never expected; end the choice rather than hang the reader
+            log.exception("generation %s: reading choice %d failed", self.id, choice.index)
+            self._queue.put_nowait((choice, RequestOutput(choice.stream.request_id, (), "", True, "error", 0, 0, 0,
+                                                          error=f"internal error: {type(exc).__name__}")))
+
+    # -- streaming ------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    async def events(self, idle_s: float | None = None):
+        """Batches of (choice, delta), each choice's deltas merged; an empty batch after
+        `idle_s` without output. Ends when every choice has finished."""
+        while self._open:
+            try:
+                first = await asyncio.wait_for(self._queue.get(), idle_s) if idle_s else await self._queue.get()
+            except asyncio.TimeoutError:
+                yield []
+                continue
+            pending = [first]
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+            yield self._coalesce(pending)
+
+    def _coalesce(self, pending: list[tuple[Choice, RequestOutput]]) -> list[tuple[Choice, RequestOutput]]:
+        merged: dict[int, tuple[Choice, RequestOutput]] = {}
+        for choice, out in pending:
+            if out.new_token_ids and self._first_token_at is None:
+                self._first_token_at = time.monotonic()
+            choice.num_tokens += len(out.new_token_ids)
+            if out.finished:
+                choice.finish_reason = out.finish_reason
+                choice.final = out
+                choice.error = out.error
+                self._open -= 1
+            if choice.index in merged:
+                prev = merged[choice.index][1]
+                out = RequestOutput(
+                    out.request_id, prev.new_token_ids + out.new_token_ids, prev.new_text + out.new_text, out.finished,
+                    out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
+                    prev.logprobs + out.logprobs, out.error,
+                )
+            merged[choice.index] = (choice, out)
+        return sorted(merged.values(), key=lambda item: item[0].index)
+
+    async def collect(self) -> None:
+        """Read every choice to its end (the non-streaming path)."""
+        self.texts: dict[int, list[str]] = {}
+        self.logprobs: dict[int, list] = {}
+        async for batch in self.events():
+            for choice, out in batch:
+                self.texts.setdefault(choice.index, []).append(out.new_text)
+                self.logprobs.setdefault(choice.index, []).extend(out.logprobs)
+
+    # -- settlement -----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded: a cancelled request (client gone) must still be billed and release its slot.
+        await asyncio.shield(self._settle())
+
+    async def _settle(self) -> None:
+        try:
+            for task in self._pumps:
+                task.cancel()
+            finals = await asyncio.gather(*(c.stream.final(FINAL_OUTPUT_WAIT_S) for c in self.choices), return_exceptions=True)
+            for choice, final in zip(self.choices, finals):
+                if isinstance(final, RequestOutput):
+                    choice.final = final
+                    choice.finish_reason = choice.finish_reason or final.finish_reason
+            self.usage = self._usage()
+            if self.choices:
+                await database_sync_to_async(self._bill)()
+        except Exception:
+            log.exception("generation %s: settling usage failed", self.id)
+        finally:
+            if self._renewer is not None:
+                self._renewer.cancel()
+            if self._lease is not None:
+                try:
+                    await asyncio.to_thread(quota.close_stream, self._lease)
+                except Exception as exc:  # the lease expires by itself after its TTL
+                    log.warning("generation %s: could not release its stream lease: %s", self.id, exc)
+
+    def _usage(self) -> Usage:
+        usage = Usage(prompt_tokens=sum(len(p) for p in self.prompt_token_ids))
+        cached: dict[int, int] = {}
+        for choice in self.choices:
+            final = choice.final
+            usage.completion_tokens += final.num_output_tokens if final is not None else choice.num_tokens
+            hit = final.num_cached_tokens if final is not None else 0
+            cached[choice.prompt_index] = min(cached.get(choice.prompt_index, hit), hit)
+        usage.cached_tokens = sum(cached.values())
+        return usage
+
+    def _bill(self) -> None:
+        now = time.monotonic()
+        reasons = {c.finish_reason or "abort" for c in self.choices}
+        actions.record_usage(
+            self.tenant,
+            lane=self.lane,
+            prompt_tokens=self.usage.prompt_tokens,
+            completion_tokens=self.usage.completion_tokens,
+            api_key=self.caller.api_key,
+            request_id=self.id,
+            model=self.model,
+            ttft_ms=None if self._first_token_at is None else round((self._first_token_at - self._started_at) * 1000),
+            latency_ms=round((now - self._started_at) * 1000),
+            finish_reason=",".join(sorted(reasons)),
+        )
+        quota.settle_tokens(self.tenant, self._reserved, self.usage.total_tokens)
+        log.info("generation %s: tenant %s lane P%d, %d prompt + %d completion tokens (%s)", self.id,
+                 self.tenant.pk, self.lane, self.usage.prompt_tokens, self.usage.completion_tokens, ",".join(sorted(reasons)))

@@ -1,0 +1,250 @@
+"""The OpenAPI schema (drf-spectacular) of the whole HTTP API, served at /api/schema/.
+
+The generation endpoints are Channels consumers (they stream), which drf-spectacular
+cannot see. They are described here by DRF views that exist only in `urlpatterns` of
+this module, which is the urlconf the schema view reads; the real router never routes to
+them. Their request serializers mirror `inference.protocol`, which stays the one place
+that validates: the tests fuzz the live server from this schema to keep them in step.
+"""
+from __future__ import annotations
+
+from django.urls import path
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.permissions import AllowAny
+from rest_framework.views import APIView
+
+from inference import protocol
+from inference.views import ModelList
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    target_class = "tenants.authentication.ApiKeyAuthentication"
+    name = "ApiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "A tenant API key: `sk-<prefix>_<secret>`."}
+
+
+# --- requests ------------------------------------------------------------------------------
+
+
+class TextPart(serializers.Serializer):
+    type = serializers.ChoiceField(choices=["text"])
+    text = serializers.CharField(allow_blank=True)
+
+
+class ChatMessage(serializers.Serializer):
+    role = serializers.ChoiceField(choices=list(protocol.ROLES))
+    content = serializers.CharField(allow_blank=True, help_text="A string, or an array of text parts.")
+
+
+class StreamOptions(serializers.Serializer):
+    include_usage = serializers.BooleanField(required=False)
+
+
+class _Sampling(serializers.Serializer):
+    model = serializers.CharField(required=False, help_text="The served model's id (GET /v1/models).")
+    n = serializers.IntegerField(required=False, min_value=1, max_value=protocol.MAX_N)
+    max_tokens = serializers.IntegerField(required=False, min_value=1)
+    temperature = serializers.FloatField(required=False, min_value=0, max_value=2)
+    top_p = serializers.FloatField(required=False, min_value=0, max_value=1, help_text="Greater than 0.")
+    top_k = serializers.IntegerField(required=False, min_value=-1)
+    min_p = serializers.FloatField(required=False, min_value=0, max_value=1)
+    presence_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2)
+    frequency_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2)
+    repetition_penalty = serializers.FloatField(required=False, min_value=0, max_value=10)
+    seed = serializers.IntegerField(required=False)
+    stop = serializers.ListField(child=serializers.CharField(), required=False, max_length=protocol.MAX_STOP,
+                                 help_text="A string or up to 4 strings.")
+    stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False)
+    ignore_eos = serializers.BooleanField(required=False)
+    stream = serializers.BooleanField(required=False)
+    stream_options = StreamOptions(required=False)
+    priority = serializers.IntegerField(
+        required=False, min_value=0, max_value=2,
+        help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. Never better than the key's tier.",
+    )
+    user = serializers.CharField(required=False)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages = ChatMessage(many=True)
+    max_completion_tokens = serializers.IntegerField(required=False, min_value=1)
+    logprobs = serializers.BooleanField(required=False)
+    top_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=20)
+
+
+class CompletionRequest(_Sampling):
+    prompt = serializers.CharField(help_text="A string, an array of strings, an array of token ids, or an array of such arrays.")
+    logprobs = serializers.IntegerField(required=False, min_value=0, max_value=protocol.MAX_COMPLETION_LOGPROBS)
+    echo = serializers.BooleanField(required=False)
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+class ErrorDetail(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.CharField()
+    param = serializers.CharField(allow_null=True)
+    code = serializers.CharField(allow_null=True)
+
+
+class Error(serializers.Serializer):
+    error = ErrorDetail()
+
+
+class PromptTokensDetails(serializers.Serializer):
+    cached_tokens = serializers.IntegerField()
+
+
+class UsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    prompt_tokens_details = PromptTokensDetails()
+
+
+class AssistantMessage(serializers.Serializer):
+    role = serializers.ChoiceField(choices=["assistant"])
+    content = serializers.CharField(allow_blank=True)
+
+
+class ChatChoice(serializers.Serializer):
+    index = serializers.IntegerField()
+    message = AssistantMessage()
+    logprobs = serializers.JSONField(allow_null=True)
+    finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+
+
+class ChatCompletion(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.ChoiceField(choices=["chat.completion"])
+    created = serializers.IntegerField()
+    model = serializers.CharField()
+    choices = ChatChoice(many=True)
+    usage = UsageSerializer()
+
+
+class CompletionChoice(serializers.Serializer):
+    index = serializers.IntegerField()
+    text = serializers.CharField(allow_blank=True)
+    logprobs = serializers.JSONField(allow_null=True)
+    finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+
+
+class Completion(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.ChoiceField(choices=["text_completion"])
+    created = serializers.IntegerField()
+    model = serializers.CharField()
+    choices = CompletionChoice(many=True)
+    usage = UsageSerializer()
+
+
+def _errors(*statuses: int) -> dict:
+    described = {
+        400: "Invalid request (OpenAI error shape; `param` names the field)",
+        401: "Missing or invalid API key",
+        403: "Priority above the tier's lane",
+        404: "Unknown model",
+        413: "Body over MAX_REQUEST_BYTES",
+        429: "Rate limit, monthly budget or lane capacity; see Retry-After",
+        503: "The model is loading or the engine is unavailable; see Retry-After",
+    }
+    return {s: OpenApiResponse(Error, description=described[s]) for s in statuses}
+
+
+_GENERATION_ERRORS = _errors(400, 401, 403, 404, 413, 429, 503)
+_SSE = OpenApiResponse(
+    OpenApiTypes.STR,
+    description="With `stream: true`: `text/event-stream` of `data: {chunk}` events, then `data: [DONE]`.",
+)
+
+
+class _Documented(APIView):
+    """Describes a consumer endpoint; never routed to (see the module docstring)."""
+
+
+class ChatCompletionsDoc(_Documented):
+    @extend_schema(
+        operation_id="createChatCompletion",
+        summary="Chat completion (JSON, or SSE with stream: true)",
+        request=ChatCompletionRequest,
+        responses={200: ChatCompletion, **_GENERATION_ERRORS},
+        tags=["generation"],
+    )
+    def post(self, request):  # pragma: no cover - documentation only
+        raise NotImplementedError
+
+
+class CompletionsDoc(_Documented):
+    @extend_schema(
+        operation_id="createCompletion",
+        summary="Text completion (JSON, or SSE with stream: true)",
+        request=CompletionRequest,
+        responses={200: Completion, **_GENERATION_ERRORS},
+        tags=["generation"],
+    )
+    def post(self, request):  # pragma: no cover - documentation only
+        raise NotImplementedError
+
+
+class PlatformChatDoc(_Documented):
+    @extend_schema(
+        operation_id="streamChat",
+        summary="The platform's chat stream: SSE events token, done, error",
+        description=(
+            "Takes the chat completions body. Answers `text/event-stream`: `event: token` with "
+            "`{id, index, delta, tokens}` per delta, then `event: done` with `{status: \"[DONE]\", lane, "
+            "finish_reasons, usage}`, or `event: error` with an OpenAI error. Every event has an `id:` "
+            "counting from 0. Idle streams get a `: heartbeat` comment every SSE_HEARTBEAT_S."
+        ),
+        parameters=[OpenApiParameter("X-Priority", int, OpenApiParameter.HEADER, enum=[0, 1, 2], required=False,
+                                     description="Ask for a lane no better than the tier's.")],
+        request=ChatCompletionRequest,
+        responses={200: _SSE, **_GENERATION_ERRORS},
+        tags=["generation"],
+    )
+    def post(self, request):  # pragma: no cover - documentation only
+        raise NotImplementedError
+
+
+class EngineStatsDoc(_Documented):
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(
+        operation_id="engineStats",
+        summary="The engine's live state (staff session or Bearer INTERNAL_API_TOKEN)",
+        responses={
+            200: inline_serializer("EngineStats", {
+                "state": serializers.CharField(),
+                "kv_blocks_total": serializers.IntegerField(),
+                "kv_blocks_free": serializers.IntegerField(),
+                "kv_blocks_cached": serializers.IntegerField(),
+                "kv_blocks_used": serializers.IntegerField(),
+                "swap_blocks_used": serializers.IntegerField(),
+                "requests_running": serializers.IntegerField(),
+                "requests_swapped": serializers.IntegerField(),
+                "requests_waiting": serializers.DictField(child=serializers.IntegerField()),
+                "preemptions": serializers.IntegerField(),
+            }),
+            401: OpenApiResponse(Error), 403: OpenApiResponse(Error),
+        },
+        tags=["operators"],
+    )
+    def get(self, request):  # pragma: no cover - documentation only
+        raise NotImplementedError
+
+
+urlpatterns = [
+    path("v1/models", ModelList.as_view()),
+    path("v1/chat/completions", ChatCompletionsDoc.as_view()),
+    path("v1/completions", CompletionsDoc.as_view()),
+    path("api/v1/inference/chat", PlatformChatDoc.as_view()),
+    path("api/v1/engine/stats", EngineStatsDoc.as_view()),
+]

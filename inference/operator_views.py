@@ -1,0 +1,105 @@
+"""Operator endpoints: the engine's live state as JSON, and Prometheus metrics.
+
+    GET /api/v1/engine/stats   staff session, or Authorization: Bearer <INTERNAL_API_TOKEN>
+    GET /metrics               open from loopback, the same token otherwise
+"""
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.crypto import constant_time_compare
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+
+from inference.engine.metrics import lane_name
+from inference.engine.sequence import LANES
+from inference.host import EngineUnavailable, host
+from tenants.authentication import bearer_token
+from tenants.errors import ApiError
+
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+def _has_internal_token(request: HttpRequest) -> bool:
+    token = bearer_token(request.META.get("HTTP_AUTHORIZATION"))
+    expected = settings.INTERNAL_API_TOKEN
+    return bool(token and expected and constant_time_compare(token, expected))
+
+
+def _is_loopback(request: HttpRequest) -> bool:
+    # Behind a proxy on the same host every request arrives from loopback: a forwarded one is not local.
+    return request.META.get("REMOTE_ADDR") in LOOPBACK and "HTTP_X_FORWARDED_FOR" not in request.META
+
+
+def _refusal(request: HttpRequest) -> JsonResponse:
+    if request.META.get("HTTP_AUTHORIZATION"):
+        error = ApiError(403, "This token may not read operator endpoints.", type="permission_error", code="forbidden")
+    else:
+        error = ApiError(401, "Operator endpoints need a staff session or 'Authorization: Bearer <INTERNAL_API_TOKEN>'.",
+                         code="unauthenticated", headers={"WWW-Authenticate": "Bearer"})
+    response = JsonResponse(error.body(), status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
+def engine_stats_payload() -> dict:
+    """The engine's state in the shape operators and the console read."""
+    state = host.state
+    try:
+        stats = host.engine().stats()
+    except EngineUnavailable:
+        return {"state": state, "ready": False, "error": host.error or None}
+    lanes = stats.get("lanes", {})
+    by_lane = {str(lane): lanes.get(lane_name(lane), {}) for lane in LANES}
+    return {
+        "state": state,
+        "ready": stats.get("ready", False),
+        "kv_blocks_total": stats["blocks_total"],
+        "kv_blocks_free": stats["blocks_free"],
+        "kv_blocks_cached": stats["blocks_cached"],
+        "kv_blocks_used": stats["blocks_used"],
+        "kv_block_size": stats["block_size"],
+        "swap_blocks_total": stats["swap_blocks_total"],
+        "swap_blocks_used": stats["swap_blocks_used"],
+        "requests_running": stats["running"],
+        "requests_swapped": stats["swapped"],
+        "requests_waiting": {lane: counts.get("waiting", 0) for lane, counts in by_lane.items()},
+        "lanes": by_lane,
+        "requests_in_flight": stats.get("in_flight", 0),
+        "preemptions": stats["preemptions"],
+        "preemptions_by_mode": {"recompute": stats["preemptions_recompute"], "swap": stats["preemptions_swap"]},
+        "tokens_per_s": stats["tokens_per_s"],
+        "steps": stats["steps"],
+        "prompt_tokens": stats["prompt_tokens"],
+        "computed_tokens": stats["computed_tokens"],
+        "prefix_hit_tokens": stats["prefix_hit_tokens"],
+        "generated_tokens": stats["generated_tokens"],
+        "finished_requests": stats["finished_requests"],
+        "aborted_requests": stats["aborted_requests"],
+        "step_errors": stats.get("step_errors", 0),
+        "restarts": stats.get("restarts", 0),
+    }
+
+
+@never_cache
+@require_GET
+def engine_stats(request: HttpRequest) -> JsonResponse:
+    if not ((request.user.is_authenticated and request.user.is_staff) or _has_internal_token(request)):
+        return _refusal(request)
+    return JsonResponse(engine_stats_payload())
+
+
+@never_cache
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    if not (_is_loopback(request) or _has_internal_token(request)):
+        return _refusal(request)
+    try:
+        body = host.engine().metrics.render()
+        ready = 1
+    except EngineUnavailable:
+        body, ready = b"", 0
+    body += (b"# HELP llm_engine_ready Whether this process's engine serves requests\n"
+             b"# TYPE llm_engine_ready gauge\n" + f"llm_engine_ready {ready}\n".encode())
+    return HttpResponse(body, content_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,424 @@
+"""Request bodies of the generation endpoints, parsed and validated into one frozen value.
+
+`parse_body` turns raw bytes into a JSON object; `parse_chat` / `parse_completion` turn
+that object into a `GenerationRequest`. Every problem is an `ApiError` (400, OpenAI
+error shape) naming the parameter at fault, so no bad input reaches the engine. The
+sampling limits themselves are the engine's (`SamplingParams.validate`), translated here
+into the same error shape.
+
+Unknown fields are refused (as OpenAI does) rather than silently ignored; fields that
+OpenAI clients routinely send with a neutral value (`null`, `n: 1`, `logit_bias: {}`)
+are accepted.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.engine.errors import InvalidRequestError
+from inference.engine.sequence import MAX_LOGPROBS, SamplingParams
+from tenants.errors import ApiError
+
+MAX_N = 16
+MAX_STOP = 4  # as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+MAX_PROMPTS = 64
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "ignore_eos", "stop_token_ids",
+)
+_COMMON_FIELDS = {
+    "model", "stream", "stream_options", "n", "max_tokens", "priority", "user", "logit_bias",
+    "metadata", "store", "service_tier", *_SAMPLING_FIELDS,
+}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
+    "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
+}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one API call asks for, before tokenization and quota."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    # chat: one list of messages; completion: one or more prompts (text or token ids)
+    messages: tuple[dict, ...] = ()
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    n: int = 1
+    max_tokens: int | None = None  # None: as many as the context, tier and rate limit allow
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except max_tokens, logprobs
+    logprobs: int | None = None  # top alternatives per token; 0 = the sampled token's own only
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    priority: int | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if self.kind == "chat" else len(self.prompts)
+
+    def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice. Choice i of a seeded request uses seed + i, so
+        `n` seeded choices differ from each other and the whole response is reproducible."""
+        params = dict(self.params)
+        if params.get("seed") is not None:
+            params["seed"] = params["seed"] + seed_offset
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **params)
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, exc.param) from None
+
+
+# --- the body ------------------------------------------------------------------------------
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; 400 for anything else."""
+    if not body.strip():
+        raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"The request body is not valid UTF-8 (byte {exc.start}).", code="invalid_encoding") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, not {_type_name(data)}.", code="invalid_json")
+    if _has_lone_surrogate(data):
+        raise bad_request("The request body contains an unpaired UTF-16 surrogate escape.", code="invalid_encoding")
+    return data
+
+
+# --- field helpers -------------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _is_int(value: Any) -> bool:
+    # JSON has one number type: 2.0 is accepted as 2, as OpenAI does.
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return True
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(data: dict, name: str, low: int, high: int, default: Any = None) -> Any:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad_request(f"'{name}' must be an integer, not {_type_name(value)}.", name, "invalid_type")
+    value = int(value)
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be between {low} and {high}, got {value}.", name, "invalid_value")
+    return value
+
+
+def _number(data: dict, name: str, low: float, high: float) -> float | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number, not {_type_name(value)}.", name, "invalid_type")
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be between {low:g} and {high:g}, got {value:g}.", name, "invalid_value")
+    return float(value)
+
+
+def _bool(data: dict, name: str, default: bool = False) -> bool:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean, not {_type_name(value)}.", name, "invalid_type")
+    return value
+
+
+def _unsupported(data: dict, name: str, neutral: Any = None, what: str = "") -> None:
+    value = data.get(name)
+    if value is None or value == neutral or (neutral == {} and value == []):
+        return
+    raise bad_request(f"'{name}' is not supported by this server{what}.", name, "unsupported_parameter")
+
+
+def _check_fields(data: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}.", unknown[0], "unknown_parameter")
+
+
+def _model(data: dict) -> str | None:
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, not {_type_name(model)}.", "model", "invalid_type")
+    return model
+
+
+def _stop(data: dict) -> tuple[str, ...]:
+    stop = data.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("'stop' must be a string or an array of strings.", "stop", "invalid_type")
+    if len(stop) > MAX_STOP:
+        raise bad_request(f"'stop' takes at most {MAX_STOP} sequences, got {len(stop)}.", "stop", "invalid_value")
+    if any(not s for s in stop):
+        raise bad_request("'stop' sequences must not be empty.", "stop", "invalid_value")
+    return tuple(stop)
+
+
+def _stop_token_ids(data: dict) -> tuple[int, ...]:
+    ids = data.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids) or len(ids) > 64:
+        raise bad_request("'stop_token_ids' must be an array of at most 64 non-negative integers.", "stop_token_ids", "invalid_type")
+    return tuple(int(t) for t in ids)
+
+
+def _sampling(data: dict) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    ranges = {
+        "temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
+        "frequency_penalty": (-2, 2), "repetition_penalty": (0, 10),
+    }
+    for name, (low, high) in ranges.items():
+        value = _number(data, name, low, high)
+        if value is not None:
+            params[name] = value
+    if params.get("top_p") == 0:
+        raise bad_request("'top_p' must be greater than 0.", "top_p", "invalid_value")
+    if params.get("repetition_penalty") == 0:
+        raise bad_request("'repetition_penalty' must be greater than 0.", "repetition_penalty", "invalid_value")
+    top_k = _int(data, "top_k", -1, 1_000_000)
+    if top_k is not None:
+        params["top_k"] = top_k
+    seed = _int(data, "seed", -(2**63), 2**63 - 1 - MAX_N)
+    if seed is not None:
+        params["seed"] = seed
+    params["stop"] = _stop(data)
+    params["stop_token_ids"] = _stop_token_ids(data)
+    params["ignore_eos"] = _bool(data, "ignore_eos")
+    return params
+
+
+def _stream(data: dict) -> tuple[bool, bool]:
+    stream = _bool(data, "stream")
+    options = data.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object.", "stream_options", "invalid_type")
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options", "invalid_value")
+        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            raise bad_request(f"Unrecognized stream option: {', '.join(sorted(unknown))}.", "stream_options", "unknown_parameter")
+        include_usage = _bool(options, "include_usage")
+    return stream, include_usage
+
+
+def _common(data: dict) -> dict[str, Any]:
+    _unsupported(data, "logit_bias", {})
+    stream, include_usage = _stream(data)
+    for name in ("user", "service_tier"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise bad_request(f"'{name}' must be a string.", name, "invalid_type")
+    if data.get("metadata") is not None and not isinstance(data["metadata"], dict):
+        raise bad_request("'metadata' must be an object.", "metadata", "invalid_type")
+    return {
+        "model": _model(data),
+        "n": _int(data, "n", 1, MAX_N, default=1),
+        "params": _sampling(data),
+        "stream": stream,
+        "include_usage": include_usage,
+        "priority": _int(data, "priority", 0, 2),
+    }
+
+
+def _max_tokens(data: dict, *names: str) -> int | None:
+    given = [name for name in names if data.get(name) is not None]
+    if len(given) > 1 and data[given[0]] != data[given[1]]:
+        raise bad_request(f"Send either '{given[0]}' or '{given[1]}', not both.", given[1], "invalid_value")
+    for name in given:
+        return _int(data, name, 1, 1_000_000)
+    return None
+
+
+# --- chat ----------------------------------------------------------------------------------
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if message.get("role") == "assistant":
+            return ""
+        raise bad_request(f"'{param}' is required.", param, "missing_required_parameter")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                raise bad_request(
+                    f"'{param}[{j}]' must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
+                    f"this model reads text only, not {kind!r}.",
+                    f"{param}[{j}]",
+                    "unsupported_content",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"'{param}' must be a string or an array of text parts, not {_type_name(content)}.", param, "invalid_type")
+
+
+def _messages(data: dict) -> tuple[dict, ...]:
+    messages = data.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise bad_request(f"'messages' must be an array, not {_type_name(messages)}.", "messages", "invalid_type")
+    if not messages:
+        raise bad_request("'messages' must not be empty.", "messages", "empty_array")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"'messages[{i}]' must be an object, not {_type_name(message)}.", f"messages[{i}]", "invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(
+                f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}.", f"messages[{i}].role", "invalid_value"
+            )
+        # The chat template knows system, user and assistant; developer is OpenAI's new name for system.
+        parsed.append({"role": "system" if role == "developer" else role, "content": _content(message, i)})
+    if all(not m["content"] for m in parsed):
+        raise bad_request("Every message is empty.", "messages", "empty_prompt")
+    return tuple(parsed)
+
+
+def parse_chat(data: dict) -> GenerationRequest:
+    _check_fields(data, CHAT_FIELDS)
+    for name in ("tools", "functions"):
+        _unsupported(data, name, [], ": this model does not call tools")
+    for name in ("tool_choice", "function_call"):
+        if data.get(name) not in (None, "none", "auto"):
+            raise bad_request(f"'{name}' is not supported by this server: this model does not call tools.", name, "unsupported_parameter")
+    fmt = data.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format", "unsupported_parameter")
+    logprobs = _bool(data, "logprobs")
+    top = _int(data, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs", "invalid_value")
+    return GenerationRequest(
+        kind="chat",
+        messages=_messages(data),
+        max_tokens=_max_tokens(data, "max_completion_tokens", "max_tokens"),
+        logprobs=(top or 0) if logprobs else None,
+        **_common(data),
+    )
+
+
+# --- completions ---------------------------------------------------------------------------
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _prompts(data: dict) -> tuple[str | tuple[int, ...], ...]:
+    prompt = data.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif _is_token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and not prompt:
+        raise bad_request("'prompt' must not be empty.", "prompt", "empty_prompt")
+    else:
+        raise bad_request(
+            "'prompt' must be a string, an array of strings, an array of token ids or an array of such arrays.",
+            "prompt",
+            "invalid_type",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' takes at most {MAX_PROMPTS} prompts, got {len(prompts)}.", "prompt", "invalid_value")
+    out: list[str | tuple[int, ...]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("'prompt' must not be an empty string.", "prompt", "empty_prompt")
+            out.append(p)
+        else:
+            out.append(tuple(int(t) for t in p))
+    return tuple(out)
+
+
+def parse_completion(data: dict) -> GenerationRequest:
+    _check_fields(data, COMPLETION_FIELDS)
+    _unsupported(data, "suffix", "")
+    common = _common(data)
+    best_of = _int(data, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != common["n"]:
+        raise bad_request("'best_of' different from 'n' is not supported by this server.", "best_of", "unsupported_parameter")
+    prompts = _prompts(data)
+    if len(prompts) * common["n"] > MAX_N * 4:
+        raise bad_request(f"At most {MAX_N * 4} choices per request (prompts x n).", "n", "invalid_value")
+    return GenerationRequest(
+        kind="completion",
+        prompts=prompts,
+        max_tokens=_max_tokens(data, "max_tokens"),
+        logprobs=_int(data, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
+        echo=_bool(data, "echo"),
+        **common,
+    )

@@ -1,0 +1,194 @@
+"""WebSocket /ws/v1/chat: several concurrent chat generations over one socket.
+
+Authentication: `Authorization: Bearer sk-...` on the handshake, or (for browsers, which
+cannot set headers on a WebSocket) a first message `{"type": "auth", "api_key": "sk-..."}`
+within WS_AUTH_TIMEOUT_S.
+
+Client messages (JSON text frames):
+    {"type": "start", "id": "<your id>", "messages": [...], ...chat completion fields, "priority": 0|1|2}
+    {"type": "cancel", "id": "<your id>"}
+Server messages:
+    {"type": "token", "id", "seq", "index", "delta"}       seq counts 0, 1, 2... per id
+    {"type": "done", "id", "finish_reasons", "usage"}      finish reason "cancelled" after a cancel
+    {"type": "error", "id", "error": {OpenAI error}}       one generation refused or failed; the socket stays
+Close codes: 4401 unauthenticated, 4429 rate limited at connect, 1008 protocol violation
+(not JSON, unknown type, no id), 1009 message too large, 1011 server error.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from inference import protocol
+from inference.generation import Caller, Generation
+from tenants import errors, quota
+from tenants.authentication import authenticate_bearer
+from tenants.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_SERVER_ERROR = 1011
+CLOSE_UNAUTHENTICATED = 4401
+MAX_ID_LENGTH = 128
+
+
+class ProtocolViolation(Exception):
+    pass
+
+
+def _admit_key(header: str) -> Caller:
+    api_key = authenticate_bearer(header)
+    return Caller(tenant=api_key.tenant, api_key=api_key, rate_limit=quota.admit_request(api_key.tenant))
+
+
+class ChatSocketConsumer(AsyncWebsocketConsumer):
+    channel_layer_alias = "streams-use-no-channel-layer"
+
+    async def connect(self) -> None:
+        self.caller: Caller | None = None
+        self.generations: dict[str, asyncio.Task] = {}
+        self._auth_timer: asyncio.Task | None = None
+        await self.accept()
+        tenant = self.scope.get("tenant")
+        if tenant is not None:
+            self.caller = Caller(tenant=tenant, api_key=self.scope.get("api_key"), rate_limit=self.scope.get("rate_limit"))
+        else:
+            self._auth_timer = asyncio.create_task(self._auth_deadline())
+
+    async def _auth_deadline(self) -> None:
+        await asyncio.sleep(settings.WS_AUTH_TIMEOUT_S)
+        if self.caller is None:
+            await self._close_with(errors.missing_api_key(), CLOSE_UNAUTHENTICATED)
+
+    async def disconnect(self, code: int) -> None:
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+        for task in list(self.generations.values()):
+            task.cancel()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        try:
+            if text_data is None:
+                raise ProtocolViolation("send JSON text frames, not binary ones")
+            if len(text_data.encode("utf-8", errors="surrogatepass")) > settings.MAX_REQUEST_BYTES:
+                await self._close_with(ApiError(413, f"Messages are limited to {settings.MAX_REQUEST_BYTES} bytes.",
+                                                code="message_too_large"), CLOSE_TOO_BIG)
+                return
+            try:
+                message = protocol.parse_body(text_data.encode("utf-8", errors="surrogatepass"))
+            except ApiError as exc:
+                raise ProtocolViolation(exc.message) from None
+            await self._handle(message)
+        except ProtocolViolation as exc:
+            await self._close_with(ApiError(400, f"Protocol violation: {exc}", code="protocol_violation"), CLOSE_POLICY)
+        except Exception:
+            log.exception("websocket: unexpected error")
+            await self._close_with(ApiError(500, "The server had an error.", type="server_error"), CLOSE_SERVER_ERROR)
+
+    async def _handle(self, message: dict) -> None:
+        kind = message.get("type")
+        if kind == "auth":
+            return await self._authenticate(message)
+        if self.caller is None:
+            return await self._close_with(errors.missing_api_key(), CLOSE_UNAUTHENTICATED)
+        if kind == "start":
+            return await self._start(message)
+        if kind == "cancel":
+            gen_id = self._id(message)
+            task = self.generations.get(gen_id)
+            if task is not None:
+                task.cancel()
+            return
+        raise ProtocolViolation(f"unknown message type {kind!r}; expected auth, start or cancel")
+
+    async def _authenticate(self, message: dict) -> None:
+        if self.caller is not None:
+            raise ProtocolViolation("already authenticated")
+        key = message.get("api_key")
+        if not isinstance(key, str):
+            return await self._close_with(errors.missing_api_key(), CLOSE_UNAUTHENTICATED)
+        try:
+            self.caller = await database_sync_to_async(_admit_key)(f"Bearer {key}")
+        except ApiError as error:
+            return await self._close_with(error, 4000 + error.status)
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+        await self._send({"type": "authenticated", "tenant": self.caller.tenant.name})
+
+    def _id(self, message: dict) -> str:
+        gen_id = message.get("id")
+        if not isinstance(gen_id, str) or not gen_id or len(gen_id) > MAX_ID_LENGTH:
+            raise ProtocolViolation(f"'id' must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        return gen_id
+
+    async def _start(self, message: dict) -> None:
+        gen_id = self._id(message)
+        if gen_id in self.generations:
+            return await self._error(gen_id, ApiError(400, f"A generation with id {gen_id!r} is already running on this socket.",
+                                                      code="duplicate_id", param="id"))
+        body = {k: v for k, v in message.items() if k not in ("type", "id")}
+        try:
+            request = protocol.parse_chat(body)
+            if request.n != 1:
+                raise protocol.bad_request("WebSocket generations take n = 1; start several instead.", "n", "invalid_value")
+            decision = await database_sync_to_async(quota.admit_request)(self.caller.tenant)
+        except ApiError as error:
+            return await self._error(gen_id, error)
+        caller = Caller(self.caller.tenant, self.caller.api_key, decision)
+        task = asyncio.create_task(self._generate(gen_id, Generation(request, caller, hold_lease=True)))
+        self.generations[gen_id] = task
+        task.add_done_callback(lambda _t, g=gen_id: self.generations.pop(g, None))
+
+    async def _generate(self, gen_id: str, gen: Generation) -> None:
+        seq = 0
+        cancelled = False
+        try:
+            try:
+                await gen.start()
+            except ApiError as error:
+                return await self._error(gen_id, error)
+            async for batch in gen.events():
+                for choice, out in batch:
+                    if out.new_text or out.new_token_ids:
+                        await self._send({"type": "token", "id": gen_id, "seq": seq, "index": choice.index, "delta": out.new_text})
+                        seq += 1
+                    if out.error:
+                        await gen.close()
+                        return await self._error(gen_id, ApiError(500, f"The engine failed while generating: {out.error}",
+                                                                  type="server_error", code="engine_error"))
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:
+            log.exception("websocket generation %s failed", gen_id)
+            await self._error(gen_id, ApiError(500, "The server had an error.", type="server_error"))
+        finally:
+            await gen.close()
+        reasons = ["cancelled" if cancelled else (c.finish_reason or "stop") for c in gen.choices]
+        try:
+            await self._send({"type": "done", "id": gen_id, "finish_reasons": reasons, "usage": gen.usage.as_dict()})
+        except Exception:  # the socket is gone: nothing to tell
+            pass
+
+    async def _error(self, gen_id: str | None, error: ApiError) -> None:
+        payload = {"type": "error", "id": gen_id, **error.body()}
+        retry = error.headers.get("Retry-After")
+        if retry:
+            payload["retry_after"] = int(retry)
+        await self._send(payload)
+
+    async def _send(self, payload: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps(payload, ensure_ascii=False))
+
+    async def _close_with(self, error: ApiError, code: int) -> None:
+        try:
+            await self._send({"type": "error", "id": None, **error.body()})
+        finally:
+            await self.close(code=code)

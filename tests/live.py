@@ -1,0 +1,173 @@
+"""A live platform for end-to-end tests: daphne with the real engine and model, over a real
+socket, with its own Redis and its own database.
+
+The server runs in a child process, so it has its own database: a SQLite file, or a fresh
+PostgreSQL database on the server `DATABASE_URL` names (dropped afterwards). Tests create
+tenants and read usage through `LiveServer.django(...)`, which runs a snippet in a Django
+process pointed at that database and returns what it prints as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port, start_redis
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 300  # a first run builds the C++ kernels (~40 s) and converts the tokenizer
+
+# Small pools: enough for 200 concurrent short streams, light on a 2-core CI box.
+DEFAULT_ENV = {
+    "INFERENCE_KV_CACHE_BYTES": str(128 * 1024**2),
+    "INFERENCE_SWAP_BYTES": str(64 * 1024**2),
+    "INFERENCE_MAX_NUM_SEQS": "64",
+    "SSE_HEARTBEAT_S": "15",
+    "MAX_REQUEST_BYTES": str(256 * 1024),
+    "LOG_LEVEL": "WARNING",
+}
+
+
+@dataclass
+class LiveServer:
+    url: str
+    ws_url: str
+    redis_url: str
+    internal_token: str
+    env: dict[str, str]
+    log_path: Path
+    keys: dict[str, str] = field(default_factory=dict)  # tenant name -> API key
+    tenant_ids: dict[str, int] = field(default_factory=dict)
+
+    def django(self, code: str) -> Any:
+        """Run `code` in a Django process on the server's database; it sets `result`, returned here."""
+        script = "import django, json\ndjango.setup()\n" + textwrap.dedent(code) + "\nprint(json.dumps(result))\n"
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"django snippet failed:\n{done.stderr}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def stats(self) -> dict:
+        return self.get_json("/api/v1/engine/stats", token=self.internal_token)
+
+    def get_json(self, path: str, token: str | None = None) -> dict:
+        request = urllib.request.Request(self.url + path)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def wait_idle(self, timeout: float = 1.0) -> dict:
+        """Poll the stats until nothing holds a block, runs or waits; returns the last stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            idle = (stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
+                    and stats["requests_swapped"] == 0 and not any(stats["requests_waiting"].values()))
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return 0
+
+
+def _database(tmp: Path) -> tuple[str, Any]:
+    """A database URL for the server, and how to drop it afterwards."""
+    base = os.environ.get("DATABASE_URL", "")
+    if not base.startswith(("postgres://", "postgresql://")):
+        return f"sqlite:///{tmp / 'live.sqlite3'}", lambda: None
+    import psycopg
+
+    server, _, _ = base.rpartition("/")
+    name = f"live_{os.getpid()}_{secrets.token_hex(4)}"
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"{server}/{name}", drop
+
+
+TENANTS_SCRIPT = """
+from tenants import actions
+result = {"keys": {}, "ids": {}}
+for tier_name, fields in TIERS.items():
+    actions.save_tier(tier_name, **fields)
+from tenants.models import QuotaTier
+for name, tier_name in TENANTS.items():
+    tenant = actions.create_tenant(name, QuotaTier.objects.get(name=tier_name))
+    result["keys"][name] = actions.issue_key(tenant, name="live").plaintext
+    result["ids"][name] = tenant.pk
+"""
+
+
+def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str], env: dict[str, str] | None = None):
+    """Start everything; returns (server, stop). `tiers`: name -> save_tier fields;
+    `tenants`: tenant name -> tier name (each gets one key)."""
+    redis_proc, redis_url = start_redis(tmp)
+    db_url, drop_db = _database(tmp)
+    port = free_port()
+    token = secrets.token_urlsafe(32)
+    child_env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_ENV",)}
+    child_env.update(DEFAULT_ENV)
+    child_env.update(env or {})
+    child_env.update(DATABASE_URL=db_url, REDIS_URL=redis_url, INTERNAL_API_TOKEN=token,
+                     DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
+    log_path = tmp / "daphne.log"
+    server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
+                        internal_token=token, env=child_env, log_path=log_path)
+    daphne = None
+
+    def stop() -> None:
+        if daphne is not None and daphne.poll() is None:
+            daphne.send_signal(signal.SIGTERM)
+            try:
+                daphne.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                daphne.kill()
+                daphne.wait()
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+        drop_db()
+
+    try:
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=child_env, check=True,
+                       capture_output=True, timeout=300)
+        created = server.django(f"TIERS = {tiers!r}\nTENANTS = {tenants!r}\n" + TENANTS_SCRIPT)
+        server.keys, server.tenant_ids = created["keys"], created["ids"]
+        daphne = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+            cwd=ROOT, env=child_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while _get_status(server.url + "/readyz") != 200:
+            if daphne.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the live server never became ready:\n" + server.log())
+            time.sleep(0.25)
+    except BaseException:
+        stop()
+        raise
+    return server, stop
