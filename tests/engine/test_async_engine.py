@@ -263,6 +263,39 @@ def test_aclose_aborts_the_request(serve):
     run(main())
 
 
+def test_final_after_an_early_close_reports_every_token_the_engine_generated(serve):
+    """Billing reads `final()`: after the consumer leaves, it still learns how many tokens
+    the engine produced, including ones generated after the last read."""
+    ae = serve()
+
+    async def main():
+        stream = await ae.submit("f", [2, 7, 1, 8], greedy(200))
+        first = await stream.__anext__()
+        await until(lambda: ae.engine.requests["f"].num_output_tokens >= len(first.new_token_ids) + 3,
+                    what="the engine to run ahead of the reader")
+        final = await stream.final()
+        assert final is not None and final.finished and final.finish_reason == "abort"
+        assert final.num_output_tokens >= len(first.new_token_ids) + 3
+        assert final.num_prompt_tokens == 4
+        assert await stream.final() is final  # asking again answers at once
+        await until(lambda: idle(ae), what="every block free")
+
+    run(main())
+
+
+def test_final_of_a_finished_stream_is_its_last_output(serve):
+    ae = serve()
+
+    async def main():
+        stream = await ae.submit("g", [3, 1, 4], greedy(5))
+        tokens, outputs = await collect(stream)
+        final = await stream.final()
+        assert final is outputs[-1] and final.num_output_tokens == len(tokens) == 5
+        assert ae.engine.stats()["aborted_requests"] == 0
+
+    run(main())
+
+
 def test_cancelling_the_reading_task_aborts_the_request(serve):
     ae = serve()
 

@@ -169,3 +169,16 @@ def test_counters_need_seeding_then_add(limiter):
     assert limiter.counter_seed("t", "monthly", 100, 60) == 100
     assert limiter.counter_seed("t", "monthly", 7, 60) == 100, "a second seed must not overwrite"
     assert limiter.counter_add("t", "monthly", 5) == 105
+
+
+def test_a_refund_gives_back_unused_units_and_never_goes_below_empty(limiter):
+    costs = {"tokens": (100, 80)}
+    assert limiter.admit("t", 60, costs).allowed
+    assert not limiter.admit("t", 60, {"tokens": (100, 30)}).allowed
+    limiter.refund("t", "tokens", 100, 60, 50)  # the request used 30 of its 80
+    assert limiter.admit("t", 60, {"tokens": (100, 0)}).bucket("tokens").remaining == 70
+    assert limiter.admit("t", 60, {"tokens": (100, 60)}).allowed
+    limiter.refund("t", "tokens", 100, 60, 10_000)
+    assert limiter.admit("t", 60, {"tokens": (100, 0)}).bucket("tokens").remaining == 100
+    limiter.refund("unused-scope", "tokens", 100, 60, 5)  # nothing to refund: no bucket appears
+    assert limiter.client.get(limiter.key("unused-scope", "tokens")) is None
