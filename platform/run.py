@@ -76,7 +76,13 @@ def main() -> None:
     django.setup()
     call_command("migrate", interactive=False, verbosity=1)
     login = ensure_admin(run_dir)
-    print(f"\n{login}\nServing on http://127.0.0.1:{os.environ['PORT']}/ (Ctrl-C stops everything).\n", flush=True)
+    base = f"http://127.0.0.1:{os.environ['PORT']}"
+    print(
+        f"\n{login}\nServing on {base}/ (Ctrl-C stops everything). The model loads in the background: "
+        f"{base}/readyz turns 200 when it is ready.\nAPI docs: {base}/api/docs/ . Create a tenant and its key with: "
+        f".venv/bin/python manage.py create_tenant NAME --tier standard\n",
+        flush=True,
+    )
 
     honcho = [sys.executable, "-m", "honcho", "-f", str(ROOT / "platform" / "Procfile"), "-d", str(ROOT),
               "start", *processes]
