@@ -101,6 +101,14 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    # Python reads 1e400 as inf, which every numeric check below would then have to special-case.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:32]} is out of range")
+    return value
+
+
 def parse_body(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object; 400 for anything else."""
     if not body.strip():
@@ -110,7 +118,7 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise bad_request(f"The request body is not valid UTF-8 (byte {exc.start}).", code="invalid_encoding") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -306,7 +314,10 @@ def _content(message: dict, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise bad_request(f"'{param}[{j}].text' must be a string, not {_type_name(part.get('text'))}.",
+                                  f"{param}[{j}].text", "invalid_type")
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else _type_name(part)
                 raise bad_request(
                     f"'{param}[{j}]' must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
