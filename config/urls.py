@@ -11,6 +11,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from inference import health, operator_views
 
+SCHEMA_HOOKS = ["drf_spectacular.hooks.postprocess_schema_enums", "inference.openapi.close_request_bodies"]
+
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
@@ -19,7 +21,8 @@ urlpatterns = [
     path("api/v1/engine/stats", operator_views.engine_stats, name="engine-stats"),
     # The schema covers the consumer endpoints too (see inference.openapi); open to all, as docs are.
     path("api/schema/", SpectacularAPIView.as_view(urlconf="inference.openapi", authentication_classes=[],
-                                                   permission_classes=[], throttle_classes=[]), name="schema"),
+                                                   permission_classes=[], throttle_classes=[],
+                                                   custom_settings={"POSTPROCESSING_HOOKS": SCHEMA_HOOKS}), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", authentication_classes=[],
                                                      permission_classes=[], throttle_classes=[]), name="swagger-ui"),
     path("admin/", admin.site.urls),

@@ -11,7 +11,8 @@ from __future__ import annotations
 from django.urls import path
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import (OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field,
+                                   inline_serializer)
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.views import APIView
@@ -29,16 +30,47 @@ class ApiKeyScheme(OpenApiAuthenticationExtension):
 
 
 # --- requests ------------------------------------------------------------------------------
+# The request bodies are closed (additionalProperties: false; see `close_request_bodies`):
+# `protocol` refuses unknown fields, as OpenAI does.
+
+# Limits `protocol` writes as literals (its `_max_tokens`, `_sampling`, `_stop_token_ids`).
+MAX_TOKENS = 1_000_000
+MAX_TOP_K = 1_000_000
+MAX_STOP_TOKEN_IDS = 64
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
-class TextPart(serializers.Serializer):
-    type = serializers.ChoiceField(choices=["text"])
-    text = serializers.CharField(allow_blank=True)
+@extend_schema_field({"oneOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+                                "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
+]})
+class ContentField(serializers.JSONField):
+    """A message's content: a string, or an array of text parts."""
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": protocol.MAX_STOP},
+]})
+class StopField(serializers.JSONField):
+    """`stop`: one string or up to MAX_STOP strings."""
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": protocol.MAX_PROMPTS},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": protocol.MAX_PROMPTS},
+]})
+class PromptField(serializers.JSONField):
+    """`prompt`: a string, strings, token ids, or arrays of token ids."""
 
 
 class ChatMessage(serializers.Serializer):
     role = serializers.ChoiceField(choices=list(protocol.ROLES))
-    content = serializers.CharField(allow_blank=True, help_text="A string, or an array of text parts.")
+    content = ContentField(help_text="A string, or an array of text parts.")
 
 
 class StreamOptions(serializers.Serializer):
@@ -48,18 +80,19 @@ class StreamOptions(serializers.Serializer):
 class _Sampling(serializers.Serializer):
     model = serializers.CharField(required=False, help_text="The served model's id (GET /v1/models).")
     n = serializers.IntegerField(required=False, min_value=1, max_value=protocol.MAX_N)
-    max_tokens = serializers.IntegerField(required=False, min_value=1)
+    max_tokens = serializers.IntegerField(required=False, min_value=1, max_value=MAX_TOKENS)
     temperature = serializers.FloatField(required=False, min_value=0, max_value=2)
-    top_p = serializers.FloatField(required=False, min_value=0, max_value=1, help_text="Greater than 0.")
-    top_k = serializers.IntegerField(required=False, min_value=-1)
+    top_p = serializers.FloatField(required=False, min_value=0, max_value=1)
+    top_k = serializers.IntegerField(required=False, min_value=-1, max_value=MAX_TOP_K)
     min_p = serializers.FloatField(required=False, min_value=0, max_value=1)
     presence_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2)
     frequency_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2)
     repetition_penalty = serializers.FloatField(required=False, min_value=0, max_value=10)
-    seed = serializers.IntegerField(required=False)
-    stop = serializers.ListField(child=serializers.CharField(), required=False, max_length=protocol.MAX_STOP,
-                                 help_text="A string or up to 4 strings.")
-    stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False)
+    # Choice i of a seeded request samples with seed + i, so the top MAX_N seeds are refused.
+    seed = serializers.IntegerField(required=False, min_value=-(2**63), max_value=2**63 - 1 - protocol.MAX_N)
+    stop = StopField(required=False, help_text="A string or up to 4 strings.")
+    stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
+                                           max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos = serializers.BooleanField(required=False)
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptions(required=False)
@@ -71,14 +104,14 @@ class _Sampling(serializers.Serializer):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages = ChatMessage(many=True)
-    max_completion_tokens = serializers.IntegerField(required=False, min_value=1)
+    messages = ChatMessage(many=True, help_text="At least one message, not all of them empty.")
+    max_completion_tokens = serializers.IntegerField(required=False, min_value=1, max_value=MAX_TOKENS)
     logprobs = serializers.BooleanField(required=False)
     top_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=20)
 
 
 class CompletionRequest(_Sampling):
-    prompt = serializers.CharField(help_text="A string, an array of strings, an array of token ids, or an array of such arrays.")
+    prompt = PromptField(help_text="A string, an array of strings, an array of token ids, or an array of such arrays.")
     logprobs = serializers.IntegerField(required=False, min_value=0, max_value=protocol.MAX_COMPLETION_LOGPROBS)
     echo = serializers.BooleanField(required=False)
 
@@ -239,6 +272,20 @@ class EngineStatsDoc(_Documented):
     )
     def get(self, request):  # pragma: no cover - documentation only
         raise NotImplementedError
+
+
+def close_request_bodies(result: dict, generator, request, public) -> dict:
+    """drf-spectacular postprocessing hook: what serializer fields cannot say. Request bodies
+    take only the fields they list, a chat takes at least one message, and top_p and
+    repetition_penalty must be above 0 (OpenAPI 3.0's boolean exclusiveMinimum)."""
+    schemas = result.get("components", {}).get("schemas", {})
+    schemas["StreamOptionsRequest"]["additionalProperties"] = False
+    for name in ("ChatCompletionRequestRequest", "CompletionRequestRequest"):
+        schemas[name]["additionalProperties"] = False
+        for field in ("top_p", "repetition_penalty"):
+            schemas[name]["properties"][field]["exclusiveMinimum"] = True
+    schemas["ChatCompletionRequestRequest"]["properties"]["messages"]["minItems"] = 1
+    return result
 
 
 urlpatterns = [

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils.crypto import constant_time_compare
 from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from inference.engine.metrics import lane_name
@@ -82,6 +83,8 @@ def engine_stats_payload() -> dict:
     }
 
 
+# csrf_exempt: both views only read (require_GET), so a POST gets 405 rather than a CSRF page.
+@csrf_exempt
 @never_cache
 @require_GET
 def engine_stats(request: HttpRequest) -> JsonResponse:
@@ -90,6 +93,7 @@ def engine_stats(request: HttpRequest) -> JsonResponse:
     return JsonResponse(engine_stats_payload())
 
 
+@csrf_exempt
 @never_cache
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:

@@ -11,8 +11,11 @@ Server messages:
     {"type": "token", "id", "seq", "index", "delta"}       seq counts 0, 1, 2... per id
     {"type": "done", "id", "finish_reasons", "usage"}      finish reason "cancelled" after a cancel
     {"type": "error", "id", "error": {OpenAI error}}       one generation refused or failed; the socket stays
-Close codes: 4401 unauthenticated, 4429 rate limited at connect, 1008 protocol violation
-(not JSON, unknown type, no id), 1009 message too large, 1011 server error.
+Close codes are 4000 + the HTTP status of the `error` frame sent just before: 4401
+unauthenticated, 4429 rate limited at connect, 4400 protocol violation (not JSON, unknown
+type, no id), 4413 message too large, 4500 server error. Not RFC 6455's 1008/1009/1011:
+daphne's WebSocket layer (autobahn) refuses any application close code but 1000 and
+3000-4999, and raises instead of closing.
 """
 from __future__ import annotations
 
@@ -33,10 +36,6 @@ from tenants.errors import ApiError
 
 log = logging.getLogger(__name__)
 
-CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
-CLOSE_SERVER_ERROR = 1011
-CLOSE_UNAUTHENTICATED = 4401
 MAX_ID_LENGTH = 128
 
 
@@ -66,7 +65,7 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
     async def _auth_deadline(self) -> None:
         await asyncio.sleep(settings.WS_AUTH_TIMEOUT_S)
         if self.caller is None:
-            await self._close_with(errors.missing_api_key(), CLOSE_UNAUTHENTICATED)
+            await self._close_with(errors.missing_api_key())
 
     async def disconnect(self, code: int) -> None:
         if self._auth_timer is not None:
@@ -80,7 +79,7 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
                 raise ProtocolViolation("send JSON text frames, not binary ones")
             if len(text_data.encode("utf-8", errors="surrogatepass")) > settings.MAX_REQUEST_BYTES:
                 await self._close_with(ApiError(413, f"Messages are limited to {settings.MAX_REQUEST_BYTES} bytes.",
-                                                code="message_too_large"), CLOSE_TOO_BIG)
+                                                code="message_too_large"))
                 return
             try:
                 message = protocol.parse_body(text_data.encode("utf-8", errors="surrogatepass"))
@@ -88,17 +87,17 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
                 raise ProtocolViolation(exc.message) from None
             await self._handle(message)
         except ProtocolViolation as exc:
-            await self._close_with(ApiError(400, f"Protocol violation: {exc}", code="protocol_violation"), CLOSE_POLICY)
+            await self._close_with(ApiError(400, f"Protocol violation: {exc}", code="protocol_violation"))
         except Exception:
             log.exception("websocket: unexpected error")
-            await self._close_with(ApiError(500, "The server had an error.", type="server_error"), CLOSE_SERVER_ERROR)
+            await self._close_with(ApiError(500, "The server had an error.", type="server_error"))
 
     async def _handle(self, message: dict) -> None:
         kind = message.get("type")
         if kind == "auth":
             return await self._authenticate(message)
         if self.caller is None:
-            return await self._close_with(errors.missing_api_key(), CLOSE_UNAUTHENTICATED)
+            return await self._close_with(errors.missing_api_key())
         if kind == "start":
             return await self._start(message)
         if kind == "cancel":
@@ -114,11 +113,11 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
             raise ProtocolViolation("already authenticated")
         key = message.get("api_key")
         if not isinstance(key, str):
-            return await self._close_with(errors.missing_api_key(), CLOSE_UNAUTHENTICATED)
+            return await self._close_with(errors.missing_api_key())
         try:
             self.caller = await database_sync_to_async(_admit_key)(f"Bearer {key}")
         except ApiError as error:
-            return await self._close_with(error, 4000 + error.status)
+            return await self._close_with(error)
         if self._auth_timer is not None:
             self._auth_timer.cancel()
         await self._send({"type": "authenticated", "tenant": self.caller.tenant.name})
@@ -187,8 +186,8 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
     async def _send(self, payload: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(payload, ensure_ascii=False))
 
-    async def _close_with(self, error: ApiError, code: int) -> None:
+    async def _close_with(self, error: ApiError) -> None:
         try:
             await self._send({"type": "error", "id": None, **error.body()})
         finally:
-            await self.close(code=code)
+            await self.close(code=4000 + error.status)
