@@ -9,11 +9,17 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
+from config import daphne_hooks  # noqa: E402
 from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
+
+# Body limit while the body arrives, and RFC 6455 close codes for consumers (see daphne_hooks).
+daphne_hooks.install_body_limit(settings.MAX_REQUEST_BYTES)
+daphne_hooks.allow_endpoint_close_codes()
 
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a
 # browser page cannot attach to another site's socket, and most API clients send no Origin.

@@ -11,11 +11,11 @@ Server messages:
     {"type": "token", "id", "seq", "index", "delta"}       seq counts 0, 1, 2... per id
     {"type": "done", "id", "finish_reasons", "usage"}      finish reason "cancelled" after a cancel
     {"type": "error", "id", "error": {OpenAI error}}       one generation refused or failed; the socket stays
-Close codes are 4000 + the HTTP status of the `error` frame sent just before: 4401
-unauthenticated, 4429 rate limited at connect, 4400 protocol violation (not JSON, unknown
-type, no id), 4413 message too large, 4500 server error. Not RFC 6455's 1008/1009/1011:
-daphne's WebSocket layer (autobahn) refuses any application close code but 1000 and
-3000-4999, and raises instead of closing.
+Close codes, each after an `error` frame saying why: 4401 unauthenticated, 4429 rate
+limited (4000 + the HTTP status, as the key middleware closes), and RFC 6455's 1008
+protocol violation (not JSON, unknown type, no id), 1009 message too large, 1011 server
+error. (daphne's WebSocket layer refuses 1008/1009/1011 from an application unless
+`config.daphne_hooks.allow_endpoint_close_codes` is installed, which `config.asgi` does.)
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ from tenants.errors import ApiError
 log = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_SERVER_ERROR = 1011
 
 
 class ProtocolViolation(Exception):
@@ -79,7 +82,7 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
                 raise ProtocolViolation("send JSON text frames, not binary ones")
             if len(text_data.encode("utf-8", errors="surrogatepass")) > settings.MAX_REQUEST_BYTES:
                 await self._close_with(ApiError(413, f"Messages are limited to {settings.MAX_REQUEST_BYTES} bytes.",
-                                                code="message_too_large"))
+                                                code="message_too_large"), CLOSE_TOO_BIG)
                 return
             try:
                 message = protocol.parse_body(text_data.encode("utf-8", errors="surrogatepass"))
@@ -87,10 +90,10 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
                 raise ProtocolViolation(exc.message) from None
             await self._handle(message)
         except ProtocolViolation as exc:
-            await self._close_with(ApiError(400, f"Protocol violation: {exc}", code="protocol_violation"))
+            await self._close_with(ApiError(400, f"Protocol violation: {exc}", code="protocol_violation"), CLOSE_POLICY)
         except Exception:
             log.exception("websocket: unexpected error")
-            await self._close_with(ApiError(500, "The server had an error.", type="server_error"))
+            await self._close_with(ApiError(500, "The server had an error.", type="server_error"), CLOSE_SERVER_ERROR)
 
     async def _handle(self, message: dict) -> None:
         kind = message.get("type")
@@ -167,10 +170,12 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
             cancelled = True
         except Exception:
             log.exception("websocket generation %s failed", gen_id)
-            await self._error(gen_id, ApiError(500, "The server had an error.", type="server_error"))
+            await gen.close()
+            return await self._error(gen_id, ApiError(500, "The server had an error.", type="server_error"))
         finally:
             await gen.close()
-        reasons = ["cancelled" if cancelled else (c.finish_reason or "stop") for c in gen.choices]
+        # A cancel that came while the generation was being admitted leaves no choices behind.
+        reasons = ["cancelled" if cancelled else (c.finish_reason or "stop") for c in gen.choices] or ["cancelled"]
         try:
             await self._send({"type": "done", "id": gen_id, "finish_reasons": reasons, "usage": gen.usage.as_dict()})
         except Exception:  # the socket is gone: nothing to tell
@@ -186,8 +191,9 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
     async def _send(self, payload: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(payload, ensure_ascii=False))
 
-    async def _close_with(self, error: ApiError) -> None:
+    async def _close_with(self, error: ApiError, code: int | None = None) -> None:
+        """Send the error, then close: with `code`, else 4000 + its HTTP status (4401, 4429)."""
         try:
             await self._send({"type": "error", "id": None, **error.body()})
         finally:
-            await self.close(code=4000 + error.status)
+            await self.close(code=code or 4000 + error.status)

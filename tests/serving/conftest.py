@@ -18,6 +18,9 @@ TIERS = {
     # A tier that runs out: 3 requests/min, 2 concurrent streams, 64 tokens per request.
     "live-tight": {"lane": 1, "requests_per_minute": 3, "tokens_per_minute": 100_000, "concurrent_streams": 2,
                    "max_tokens_per_request": 64, "monthly_token_budget": 10**9},
+    # 60 tokens/min drains one token a second, so a test can read what a request left in the bucket.
+    "live-metered": {"lane": 1, "requests_per_minute": 100, "tokens_per_minute": 60, "concurrent_streams": 2,
+                     "max_tokens_per_request": 50, "monthly_token_budget": 10**6},
     # Fuzzing: many requests, each short.
     "live-fuzz": {"lane": 1, **{**BIG, "max_tokens_per_request": 8}},
 }
@@ -26,6 +29,7 @@ TENANTS = {
     # test_openai_client.py
     "client": "live-p1",
     "client-tight": "live-tight",
+    "client-metered": "live-metered",
     # test_validation.py
     "valid": "live-p1",
     "valid-p2": "live-p2",

@@ -178,13 +178,13 @@ def test_bad_key_closes_4401(live: LiveServer, how: str):
 
 # Close codes are 4000 + the HTTP status of the error frame sent before the close.
 @pytest.mark.parametrize("frame, code, error_code", [
-    ("this is not json", 4400, "protocol_violation"),
-    ('["an", "array"]', 4400, "protocol_violation"),
-    (json.dumps({"type": "subscribe", "id": "a"}), 4400, "protocol_violation"),
-    (json.dumps({"id": "a", "messages": GREEDY_PROMPT}), 4400, "protocol_violation"),
-    (json.dumps({"type": "start", "messages": GREEDY_PROMPT}), 4400, "protocol_violation"),
-    (json.dumps({"type": "auth", "api_key": "sk-whatever"}), 4400, "protocol_violation"),  # already authenticated
-    (b'{"type": "start"}', 4400, "protocol_violation"),  # a binary frame
+    ("this is not json", 1008, "protocol_violation"),
+    ('["an", "array"]', 1008, "protocol_violation"),
+    (json.dumps({"type": "subscribe", "id": "a"}), 1008, "protocol_violation"),
+    (json.dumps({"id": "a", "messages": GREEDY_PROMPT}), 1008, "protocol_violation"),
+    (json.dumps({"type": "start", "messages": GREEDY_PROMPT}), 1008, "protocol_violation"),
+    (json.dumps({"type": "auth", "api_key": "sk-whatever"}), 1008, "protocol_violation"),  # already authenticated
+    (b'{"type": "start"}', 1008, "protocol_violation"),  # a binary frame
 ], ids=["not-json", "not-an-object", "unknown-type", "no-type", "no-id", "auth-twice", "binary"])
 def test_protocol_violations_close_the_socket(live: LiveServer, frame: str | bytes, code: int, error_code: str):
     async def scenario():
@@ -216,7 +216,7 @@ def test_message_size_limit(live: LiveServer, size: int):
         assert done["type"] == "done" and done["usage"]["completion_tokens"] == 1
     else:
         messages, code = run(scenario())
-        assert code == 4413
+        assert code == 1009
         assert messages[-1]["error"]["code"] == "message_too_large"
 
 
