@@ -10,13 +10,14 @@ The SSE consumers, the plain-JSON path and the WebSocket consumer all drive a
 
 `start` raises `ApiError` (the OpenAI error shape) for every refusal, having released
 whatever it took. `close` is safe to call more than once and after a cancellation: it
-aborts the engine requests still open, waits briefly for their final counters, records
-usage with the tokens actually generated (aborted requests included), gives back the
-unused part of the tokens/min reservation and releases the stream lease.
+aborts the engine requests still open, releases the stream lease, waits briefly for their
+final counters, records usage with the tokens actually generated (aborted requests
+included) and gives back the unused part of the tokens/min reservation.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -193,7 +194,7 @@ class Generation:
         self.token_decision = await database_sync_to_async(quota.admit_tokens)(self.tenant, prompt_tokens, max_tokens, choices)
         self._reserved = prompt_tokens + max_tokens * choices
         if self.hold_lease:
-            self._lease = await asyncio.to_thread(quota.open_stream, self.tenant)
+            await self._open_lease()
             self._renewer = asyncio.create_task(self._renew_lease(self._lease))
         salt = f"tenant:{self.tenant.pk}" if tier.isolate_prefix_cache else None
         for p, token_ids in enumerate(self.prompt_token_ids):
@@ -259,6 +260,17 @@ class Generation:
         default = tier.max_tokens_per_request if self.request.kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS
         return max(1, min(default, tier.max_tokens_per_request, max_model_len - longest, by_rate))
 
+    async def _open_lease(self) -> None:
+        taking = asyncio.ensure_future(asyncio.to_thread(quota.open_stream, self.tenant))
+        try:
+            self._lease = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The client left while its slot was being taken: the thread takes it all the same.
+            # Wait for it so that close() gives it back, rather than leave it held for its TTL.
+            with contextlib.suppress(Exception):
+                self._lease = await taking
+            raise
+
     async def _renew_lease(self, lease: Lease) -> None:
         while True:
             await asyncio.sleep(lease.ttl_s / 3)
@@ -286,9 +298,13 @@ class Generation:
         """Batches of (choice, delta), each choice's deltas merged; an empty batch after
         `idle_s` without output. Ends when every choice has finished."""
         while self._open:
+            # Not asyncio.wait_for: before Python 3.12 it returns the item, swallowing the
+            # cancellation, when the task is cancelled (the client left) just as the item
+            # arrives; the stream would then decode on to max_tokens for nobody.
             try:
-                first = await asyncio.wait_for(self._queue.get(), idle_s) if idle_s else await self._queue.get()
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(idle_s or None):
+                    first = await self._queue.get()
+            except TimeoutError:
                 yield []
                 continue
             pending = [first]
@@ -336,9 +352,14 @@ class Generation:
         await asyncio.shield(self._settle())
 
     async def _settle(self) -> None:
+        for choice in self.choices:  # abort what still runs (a finished stream ignores this)
+            await choice.stream.aclose()
+        for task in self._pumps:
+            task.cancel()
+        # The client's stream is over: free its slot now, not after the engine's final counters
+        # and the usage row (a database write that queues behind every other one in the process).
+        await self._release_lease()
         try:
-            for task in self._pumps:
-                task.cancel()
             finals = await asyncio.gather(*(c.stream.final(FINAL_OUTPUT_WAIT_S) for c in self.choices), return_exceptions=True)
             for choice, final in zip(self.choices, finals):
                 if isinstance(final, RequestOutput):
@@ -349,14 +370,15 @@ class Generation:
                 await database_sync_to_async(self._bill)()
         except Exception:
             log.exception("generation %s: settling usage failed", self.id)
-        finally:
-            if self._renewer is not None:
-                self._renewer.cancel()
-            if self._lease is not None:
-                try:
-                    await asyncio.to_thread(quota.close_stream, self._lease)
-                except Exception as exc:  # the lease expires by itself after its TTL
-                    log.warning("generation %s: could not release its stream lease: %s", self.id, exc)
+
+    async def _release_lease(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+        if self._lease is not None:
+            try:
+                await asyncio.to_thread(quota.close_stream, self._lease)
+            except Exception as exc:  # the lease expires by itself after its TTL
+                log.warning("generation %s: could not release its stream lease: %s", self.id, exc)
 
     def _usage(self) -> Usage:
         usage = Usage(prompt_tokens=sum(len(p) for p in self.prompt_token_ids))
