@@ -149,7 +149,7 @@ class EngineHttpConsumer(AsyncHttpConsumer):
         self._started = True
         # Headers reach the client with the first body bytes: send a comment so the client
         # knows the request was admitted even while it waits in its lane.
-        await self.send_body(b": ok\n\n", more_body=True)
+        await self.send_body(b": ok\n", more_body=True)
 
     async def send_event(self, data: str, event: str | None = None) -> None:
         lines = [f"id: {self._event_id}"]
@@ -160,7 +160,10 @@ class EngineHttpConsumer(AsyncHttpConsumer):
         await self.send_body(("\n".join(lines) + "\n\n").encode(), more_body=True)
 
     async def send_heartbeat(self) -> None:
-        await self.send_body(b": heartbeat\n\n", more_body=True)
+        # One line, no blank line after it: a comment line alone dispatches nothing, while a
+        # blank line would make the openai client (which keeps the last `id:`) dispatch an
+        # empty event and fail to parse it.
+        await self.send_body(b": heartbeat\n", more_body=True)
 
     async def end_stream(self) -> None:
         await self.send_body(b"", more_body=False)

@@ -191,7 +191,12 @@ class Generation:
         max_tokens = self._max_tokens(engine.engine.max_model_len)
         choices = request.n * len(self.prompt_token_ids)
         prompt_tokens = sum(len(p) for p in self.prompt_token_ids)
-        self.token_decision = await database_sync_to_async(quota.admit_tokens)(self.tenant, prompt_tokens, max_tokens, choices)
+        try:
+            self.token_decision = await database_sync_to_async(quota.admit_tokens)(self.tenant, prompt_tokens, max_tokens, choices)
+        except ApiError as error:
+            if error.param == "max_tokens":  # name the field the client sent
+                error.param = request.max_tokens_param
+            raise
         self._reserved = prompt_tokens + max_tokens * choices
         if self.hold_lease:
             await self._open_lease()
@@ -368,6 +373,8 @@ class Generation:
             self.usage = self._usage()
             if self.choices:
                 await database_sync_to_async(self._bill)()
+            elif self._reserved:  # refused after the reservation (stream limit, engine, cancel): give it all back
+                await asyncio.to_thread(quota.settle_tokens, self.tenant, self._reserved, 0)
         except Exception:
             log.exception("generation %s: settling usage failed", self.id)
 

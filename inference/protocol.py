@@ -57,6 +57,7 @@ class GenerationRequest:
     prompts: tuple[str | tuple[int, ...], ...] = ()
     n: int = 1
     max_tokens: int | None = None  # None: as many as the context, tier and rate limit allow
+    max_tokens_param: str = "max_tokens"  # the field the client used (chat also takes max_completion_tokens)
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except max_tokens, logprobs
     logprobs: int | None = None  # top alternatives per token; 0 = the sampled token's own only
     echo: bool = False
@@ -372,6 +373,7 @@ def parse_chat(data: dict) -> GenerationRequest:
         kind="chat",
         messages=_messages(data),
         max_tokens=_max_tokens(data, "max_completion_tokens", "max_tokens"),
+        max_tokens_param="max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens",
         logprobs=(top or 0) if logprobs else None,
         **_common(data),
     )

@@ -7,6 +7,7 @@ and frees what finished.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -77,7 +78,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(config, self.block_manager, clock=clock)
         self.runner = ModelRunner(model, num_blocks, config.block_size, seed=config.seed, num_swap_blocks=num_swap_blocks)
-        self.tokens_per_s = 0.0  # recent throughput (EWMA), for queue-wait estimates
+        self.tokens_per_s = 0.0  # recent throughput (decaying peak), reported in stats
+        self.step_s = 0.0  # recent duration of a step that computed tokens (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
 
@@ -148,9 +150,7 @@ class LLMEngine:
         """Refuse (QueueFullError with a retry-after) what the lane cannot take in time."""
         waiting = self.scheduler.waiting
         in_lane = sum(1 for s in waiting if s.lane == lane)
-        # Work ahead of a new request of this lane: everything waiting in this lane or a better one.
-        ahead = sum(s.num_tokens - s.num_computed_tokens + s.params.max_tokens for s in waiting if s.lane <= lane)
-        wait = ahead / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+        wait = self._estimated_wait(lane)
         if in_lane >= self.config.lane_max_waiting[lane]:
             retry = max(1.0, wait / max(1, in_lane))
             raise QueueFullError(f"lane P{lane} has {in_lane} requests waiting, its limit", retry_after_s=retry, lane=lane)
@@ -161,6 +161,30 @@ class LLMEngine:
                 retry_after_s=max(1.0, wait - timeout),
                 lane=lane,
             )
+
+    def _estimated_wait(self, lane: int) -> float:
+        """Seconds until a new request of `lane` would be scheduled, in steps of recent length.
+
+        Requests waiting ahead of it (its lane or a better one) are prefilled
+        max_num_batched_tokens a step, then decode beside it: they hold it back only while no
+        slot is left for it. Then it waits until enough running sequences finish, each after
+        at most its remaining max_tokens steps (the estimate errs long: EOS comes sooner).
+        Under the priority policy, running work of a worse lane does not hold a slot against
+        it: the scheduler preempts that work for it.
+        """
+        config, scheduler = self.config, self.scheduler
+        ahead = [s for s in scheduler.waiting if s.lane <= lane]
+        steps = sum(s.num_tokens - s.num_computed_tokens for s in ahead) / config.max_num_batched_tokens
+        holding = [s for s in scheduler.running if config.policy != "priority" or s.lane <= lane]
+        needed = len(ahead) + 1 - (config.max_num_seqs - len(holding))  # slots that must free up first
+        if needed > 0:
+            remaining = sorted(s.params.max_tokens - s.num_output_tokens for s in holding)
+            if needed <= len(remaining):
+                steps += remaining[needed - 1]
+            else:  # whole rounds of the queue ahead must finish too
+                rounds = math.ceil((needed - len(remaining)) / config.max_num_seqs)
+                steps += (remaining[-1] if remaining else 0) + rounds * max(s.params.max_tokens for s in ahead)
+        return steps * self.step_s
 
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -207,8 +231,9 @@ class LLMEngine:
             # A slowly decaying peak, not an average: light load runs small batches, and their
             # rate says nothing of what the engine can do once a queue builds (an average
             # after one warm-up request refused work the engine would finish in time).
-            rate = schedule.num_batched_tokens / max(time.perf_counter() - started, 1e-6)
-            self.tokens_per_s = max(rate, 0.98 * self.tokens_per_s)
+            elapsed = max(time.perf_counter() - started, 1e-6)
+            self.tokens_per_s = max(schedule.num_batched_tokens / elapsed, 0.98 * self.tokens_per_s)
+            self.step_s = elapsed if not self.step_s else 0.8 * self.step_s + 0.2 * elapsed
         return self._timed_out_outputs(schedule) + self._postprocess(schedule, sampled)
 
     def _timed_out_outputs(self, schedule) -> list[RequestOutput]:

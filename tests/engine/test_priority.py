@@ -287,18 +287,30 @@ def test_a_full_lane_refuses_with_a_retry_after():
 
 
 def test_a_request_whose_estimated_wait_exceeds_the_lane_timeout_is_refused():
-    engine = fake_engine(max_num_seqs=1, lane_queue_timeout_s=(30.0, 1e-9, 3600.0))
+    engine = fake_engine(max_num_seqs=2, lane_queue_timeout_s=(30.0, 1e-9, 3600.0))
     engine.add_request("warmup", [1, 2, 3], params(4), lane=2)
-    run_to_completion(engine)  # the engine now knows its throughput
-    assert engine.stats()["tokens_per_s"] > 0
+    run_to_completion(engine)  # the engine now knows how long a step takes
+    assert engine.step_s > 0
     engine.add_request("running", [1, 2, 3], params(50), lane=1)
     engine.step()
-    engine.add_request("queued", [4, 5, 6], params(50), lane=1)  # nothing waits ahead of it: admitted
+    engine.add_request("queued", [4, 5, 6], params(50), lane=1)  # a slot is free for it: no wait
     with pytest.raises(QueueFullError) as refused:
+        # No slot left: it would wait for "running" to finish its ~49 remaining tokens.
         engine.add_request("late", [4, 5, 6], params(5), lane=1)
     assert refused.value.lane == 1 and refused.value.retry_after_s >= 1
     assert "timeout" in refused.value.message
-    engine.add_request("p0", [4, 5, 6], params(5), lane=0)  # lane P0 has nobody waiting ahead
+    engine.add_request("p0", [4, 5, 6], params(5), lane=0)  # P1 work does not hold slots against P0: preempted
+
+
+def test_the_wait_estimate_counts_slots_not_the_sum_of_all_queued_work():
+    """64 requests admitted at once into an idle engine with 64 slots all run side by side:
+    none is refused for the work of the others, however slow the steps were."""
+    engine = fake_engine(max_num_seqs=64, num_blocks=4096, lane_queue_timeout_s=(0.5, 0.5, 0.5))
+    engine.step_s = 0.05  # a slow machine: summing everyone's 200 tokens would predict minutes
+    for i in range(64):
+        engine.add_request(f"r{i}", [1, 2, 3, 4], params(200), lane=0)
+    with pytest.raises(QueueFullError):  # the 65th must wait for a slot: ~200 steps of 50 ms
+        engine.add_request("r64", [1, 2, 3, 4], params(200), lane=0)
 
 
 def test_a_request_waiting_past_its_lane_timeout_fails_and_the_engine_keeps_serving():

@@ -65,6 +65,7 @@ class Wire:
         self.body = b""  # a body that is not an event stream (an error)
         self._raw = b""
         self._sse = b""  # body bytes (de-chunked) not parsed into events yet
+        self._fields: dict[str, str] = {}  # of the event being read
         self._chunked = False
         self._length: int | None = None
         self._received = 0  # body bytes, without chunked framing
@@ -115,23 +116,26 @@ class Wire:
             self.ended = size == 0
 
     def _events(self) -> list[Comment | Event]:
-        items = []
-        while b"\n\n" in self._sse:
-            block, _, self._sse = self._sse.partition(b"\n\n")
-            fields: dict[str, str] = {}
-            comments = []
-            for line in block.decode("utf-8").split("\n"):
-                if line.startswith(":"):
-                    comments.append(line[1:].strip())
-                    continue
-                name, _, value = line.partition(":")
-                value = value[1:] if value.startswith(" ") else value
-                if name == "data" and name in fields:  # a multi-line data field
-                    value = fields[name] + "\n" + value
-                fields[name] = value
-            items += [Comment(text) for text in comments]
-            if fields:
-                items.append(Event(int(fields["id"]) if "id" in fields else None, fields.get("event"), fields.get("data", "")))
+        """Line by line, as the SSE spec reads a stream: a comment line counts when it arrives
+        (the server's heartbeats end with one newline, not a blank line), an event at the blank
+        line that ends it."""
+        items: list[Comment | Event] = []
+        while b"\n" in self._sse:
+            raw, _, self._sse = self._sse.partition(b"\n")
+            line = raw.decode("utf-8")
+            if line.startswith(":"):
+                items.append(Comment(line[1:].strip()))
+                continue
+            if not line:
+                fields, self._fields = self._fields, {}
+                if fields:
+                    items.append(Event(int(fields["id"]) if "id" in fields else None, fields.get("event"), fields.get("data", "")))
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data" and name in self._fields:  # a multi-line data field
+                value = self._fields[name] + "\n" + value
+            self._fields[name] = value
         return items
 
 

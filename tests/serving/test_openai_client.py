@@ -17,14 +17,13 @@ import pytest
 import redis
 
 from tests.live import LiveServer
+from tests.serving.conftest import TIERS
 
 pytestmark = pytest.mark.slow
 
 TENANT = "client"  # lane P1, max_tokens 512 per request, limits out of reach
 TIGHT_TENANT = "client-tight"  # 3 requests/min: only the rate-limit test uses it
-METERED_TENANT = "client-metered"  # 60 tokens/min; made by the `metered` fixture unless conftest has it
-METERED_TIER = {"lane": 1, "requests_per_minute": 100, "tokens_per_minute": 60, "concurrent_streams": 2,
-                "max_tokens_per_request": 50, "monthly_token_budget": 10**6}
+METERED_TENANT = "client-metered"  # tier live-metered: 60 tokens/min, 50 tokens per request
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 BILLING_WAIT_S = 30.0
 
@@ -394,15 +393,7 @@ def test_an_abandoned_stream_is_billed_for_what_it_generated(live: LiveServer, c
 def metered(live: LiveServer) -> tuple[str, int]:
     """(key, tenant id) of a tenant allowed 60 tokens a minute: its bucket drains one token a
     second, so what a request left in it can be read after the request ends."""
-    if METERED_TENANT in live.keys:
-        return live.keys[METERED_TENANT], live.tenant_ids[METERED_TENANT]
-    created = live.django(f"""
-from tenants import actions
-tier, _ = actions.save_tier("live-metered", **{METERED_TIER!r})
-tenant = actions.create_tenant({METERED_TENANT!r}, tier)
-result = {{"key": actions.issue_key(tenant, name="live").plaintext, "id": tenant.pk}}
-""")
-    return created["key"], created["id"]
+    return live.keys[METERED_TENANT], live.tenant_ids[METERED_TENANT]
 
 
 def _redis_ms(client: redis.Redis) -> float:
@@ -415,7 +406,7 @@ def test_the_token_limits_are_charged_with_the_tokens_used(live: LiveServer, mod
     store = redis.Redis.from_url(live.redis_url)
     bucket = f"limits:{{tenant:{tenant_id}}}:tokens"
     assert store.get(bucket) is None, "the metered tenant must be fresh"
-    limit = METERED_TIER["tokens_per_minute"]
+    limit = TIERS["live-metered"]["tokens_per_minute"]
     max_tokens = 40
     started_ms = _redis_ms(store)
 

@@ -265,7 +265,7 @@ FIELDS = [
     ("max_tokens 0, completions", COMPLETIONS, completion(max_tokens=0), 400, "invalid_value", "max_tokens"),
     ("max_tokens above the tier's 512", CHAT, chat(max_tokens=513), 400, "max_tokens_exceeded", "max_tokens"),
     ("max_completion_tokens above the tier's 512", CHAT, _without(chat(max_completion_tokens=513), "max_tokens"), 400,
-     "max_tokens_exceeded", ANY),
+     "max_tokens_exceeded", "max_completion_tokens"),
     ("max_tokens and max_completion_tokens disagree", CHAT, chat(max_completion_tokens=2), 400, "invalid_value", ANY),
     ("n 0", CHAT, chat(n=0), 400, "invalid_value", "n"),
     ("n 17", CHAT, chat(n=17), 400, "invalid_value", "n"),
