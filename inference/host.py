@@ -16,15 +16,16 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
-from inference.engine.async_engine import AsyncEngine
-from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
-from inference.engine.metrics import EngineMetrics
-from inference.engine.tokenizer import Tokenizer
+# The engine (and torch) are imported when the engine is built, not with this module:
+# the probes and operator views import it, and `manage.py` commands must stay light.
+if TYPE_CHECKING:
+    from inference.engine.async_engine import AsyncEngine
+    from inference.engine.config import EngineConfig
+    from inference.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ NOT_STARTED, LOADING, READY, FAILED = "not started", "loading", "ready", "failed
 
 def engine_config() -> EngineConfig:
     """The frozen engine configuration, from the one `INFERENCE` settings dict."""
+    from inference.engine.config import EngineConfig
+
     conf = settings.INFERENCE
     return EngineConfig(
         model=conf["MODEL"],
@@ -88,6 +91,10 @@ class EngineHost:
 
     def _load(self) -> None:
         try:
+            from inference.engine.async_engine import AsyncEngine
+            from inference.engine.engine import LLMEngine
+            from inference.engine.metrics import EngineMetrics
+
             config = engine_config()
             log.info("loading model %s (device %s, dtype %s)", config.model, config.device, config.dtype)
             engine = LLMEngine(config)

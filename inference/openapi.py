@@ -9,7 +9,6 @@ that validates: the tests fuzz the live server from this schema to keep them in 
 from __future__ import annotations
 
 from django.urls import path
-from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field,
                                    inline_serializer)
@@ -19,14 +18,6 @@ from rest_framework.views import APIView
 
 from inference import protocol
 from inference.views import ModelList
-
-
-class ApiKeyScheme(OpenApiAuthenticationExtension):
-    target_class = "tenants.authentication.ApiKeyAuthentication"
-    name = "ApiKey"
-
-    def get_security_definition(self, auto_schema):
-        return {"type": "http", "scheme": "bearer", "description": "A tenant API key: `sk-<prefix>_<secret>`."}
 
 
 # --- requests ------------------------------------------------------------------------------

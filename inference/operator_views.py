@@ -12,13 +12,12 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
-from inference.engine.metrics import lane_name
-from inference.engine.sequence import LANES
 from inference.host import EngineUnavailable, host
 from tenants.authentication import bearer_token
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
+LANES = (0, 1, 2)  # as the engine's stats name them: "P0", "P1", "P2"
 
 
 def _has_internal_token(request: HttpRequest) -> bool:
@@ -52,7 +51,7 @@ def engine_stats_payload() -> dict:
     except EngineUnavailable:
         return {"state": state, "ready": False, "error": host.error or None}
     lanes = stats.get("lanes", {})
-    by_lane = {str(lane): lanes.get(lane_name(lane), {}) for lane in LANES}
+    by_lane = {str(lane): lanes.get(f"P{lane}", {}) for lane in LANES}
     return {
         "state": state,
         "ready": stats.get("ready", False),
