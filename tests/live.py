@@ -82,7 +82,8 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
 
-def _get_status(url: str) -> int:
+def http_status(url: str) -> int:
+    """The status of a GET, 0 when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status
@@ -163,7 +164,7 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
             cwd=ROOT, env=child_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while _get_status(server.url + "/readyz") != 200:
+        while http_status(server.url + "/readyz") != 200:
             if daphne.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the live server never became ready:\n" + server.log())
             time.sleep(0.25)

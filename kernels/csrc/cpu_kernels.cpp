@@ -20,6 +20,23 @@
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
+// One block of an online softmax: fold a block's raw scores sh[0..n) into the running max
+// m, sum l and accumulator acc[0..head_dim) (rescaled once when the max rises); sh becomes
+// the block's unnormalised probabilities. The exponentials get a loop of their own so
+// they vectorise.
+static inline void softmax_block(float* sh, int64_t n, float& m, float& l, float* acc, int64_t head_dim) {
+  float block_max = sh[0];
+  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sh[t]);
+  if (block_max > m) {
+    const float c = std::exp(m - block_max);
+    l *= c;
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= c;
+    m = block_max;
+  }
+  for (int64_t t = 0; t < n; ++t) sh[t] = std::exp(sh[t] - m);
+  for (int64_t t = 0; t < n; ++t) l += sh[t];
+}
+
 template <typename T>
 static void decode_kernel(
     const T* q, const T* k_cache, const T* v_cache, T* out,
@@ -68,22 +85,8 @@ static void decode_kernel(
               s[(h0 + g) * block_size + t] = dot;
             }
           }
-          // One rescale per block, then the exponentials in a loop of their own so they vectorise.
-          for (int64_t h = h0; h < h0 + group; ++h) {
-            float* sh = s.data() + h * block_size;
-            float block_max = sh[0];
-            for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sh[t]);
-            if (block_max > m[h]) {
-              const float c = std::exp(m[h] - block_max);
-              l[h] *= c;
-              float* ah = acc.data() + h * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) ah[d] *= c;
-              m[h] = block_max;
-            }
-            const float mh = m[h];
-            for (int64_t t = 0; t < n; ++t) sh[t] = std::exp(sh[t] - mh);
-            for (int64_t t = 0; t < n; ++t) l[h] += sh[t];
-          }
+          for (int64_t h = h0; h < h0 + group; ++h)
+            softmax_block(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
           // Values: each converted once, then accumulated into every query head of its group.
           for (int64_t t = 0; t < n; ++t) {
             const T* vp = vb + t * token_stride;
@@ -156,21 +159,8 @@ static void decode_kernel_bf16(
               s[(h0 + g) * block_size + t] = _mm512_reduce_add_ps(dot) * scale;
             }
           }
-          for (int64_t h = h0; h < h0 + group; ++h) {
-            float* sh = s.data() + h * block_size;
-            float block_max = sh[0];
-            for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sh[t]);
-            if (block_max > m[h]) {
-              const float c = std::exp(m[h] - block_max);
-              l[h] *= c;
-              float* ah = acc.data() + h * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) ah[d] *= c;
-              m[h] = block_max;
-            }
-            const float mh = m[h];
-            for (int64_t t = 0; t < n; ++t) sh[t] = std::exp(sh[t] - mh);
-            for (int64_t t = 0; t < n; ++t) l[h] += sh[t];
-          }
+          for (int64_t h = h0; h < h0 + group; ++h)
+            softmax_block(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
           // Values: 16 dims at a time, the group's accumulators held in registers across the
           // block's tokens (independent FMA chains, no store-to-load round trip per token).
           for (int64_t c = 0; c < head_dim / 16; ++c) {

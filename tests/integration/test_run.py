@@ -5,13 +5,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import free_port
+from tests.live import http_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,16 +38,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as err:
-        return err.code
-    except OSError:
-        return 0
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").exists(), reason="walks the process tree through /proc")
 def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
@@ -64,11 +53,11 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
     try:
         # Ready means the model is loaded (a first run also builds the C++ kernels).
         deadline = time.monotonic() + 300
-        while get(f"http://127.0.0.1:{port}/readyz") != 200:
+        while http_status(f"http://127.0.0.1:{port}/readyz") != 200:
             assert launcher.poll() is None, (tmp_path / "run.log").read_text()
             assert time.monotonic() < deadline, "never ready:\n" + (tmp_path / "run.log").read_text()
             time.sleep(0.5)
-        assert get(f"http://127.0.0.1:{port}/admin/login/") == 200
+        assert http_status(f"http://127.0.0.1:{port}/admin/login/") == 200
         password = (tmp_path / "admin-password").read_text().strip()
         assert len(password) >= 16
         output = (tmp_path / "run.log").read_text()
