@@ -12,6 +12,7 @@
 #include <cmath>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -37,6 +38,44 @@ static inline void softmax_block(float* sh, int64_t n, float& m, float& l, float
   for (int64_t t = 0; t < n; ++t) l += sh[t];
 }
 
+#if defined(__AVX512BF16__)
+// bf16 fast path (AVX512-BF16, head_dim a multiple of 32). Converting every key to fp32
+// before dotting it left the generic loop compute-bound (~340 cycles per token and kv head
+// at 64 sequences, 4 GB/s of KV, on the dev box); vdpbf16ps dots the cache's bf16 pairs in
+// fp32 directly, and the value accumulators stay in registers across a block: 30 layers at
+// 64 sequences x 160 tokens went from 63 to 50 ms.
+static inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, float* s, int64_t n, int64_t group,
+                               int64_t head_dim, int64_t token_stride, int64_t block_size, float scale) {
+  for (int64_t t = 0; t < n; ++t) {
+    const at::BFloat16* kp = kb + t * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const at::BFloat16* qp = q + g * head_dim;
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 32)
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qp + c), (__m512bh)_mm512_loadu_si512(kp + c));
+      s[g * block_size + t] = _mm512_reduce_add_ps(dot) * scale;
+    }
+  }
+}
+
+static inline void values_bf16(const at::BFloat16* vb, const float* s, float* acc, int64_t n, int64_t group,
+                               int64_t head_dim, int64_t token_stride, int64_t block_size) {
+  for (int64_t c = 0; c < head_dim; c += 16) {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const int64_t gn = std::min<int64_t>(4, group - g0);
+      __m512 r[4];
+      for (int64_t g = 0; g < gn; ++g) r[g] = _mm512_loadu_ps(acc + (g0 + g) * head_dim + c);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * token_stride + c));
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        for (int64_t g = 0; g < gn; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[(g0 + g) * block_size + t]), v, r[g]);
+      }
+      for (int64_t g = 0; g < gn; ++g) _mm512_storeu_ps(acc + (g0 + g) * head_dim + c, r[g]);
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void decode_kernel(
     const T* q, const T* k_cache, const T* v_cache, T* out,
@@ -52,6 +91,11 @@ static void decode_kernel(
   // A few sequences split by kv head instead, to keep every thread busy.
   const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / splits;
+#if defined(__AVX512BF16__)
+  const bool bf16_dot = std::is_same_v<T, at::BFloat16> && head_dim % 32 == 0;
+#else
+  const bool bf16_dot = false;
+#endif
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_item * group;  // query heads handled by one item
     std::vector<float> qf(width * head_dim), acc(width * head_dim), kf(head_dim), m(width), l(width), s(width * block_size);
@@ -74,6 +118,19 @@ static void decode_kernel(
           const T* kb = k_cache + block_off + (kv_first + kh) * head_dim;
           const T* vb = v_cache + block_off + (kv_first + kh) * head_dim;
           const int64_t h0 = kh * group;
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            if (bf16_dot) {
+              scores_bf16(q + (seq * num_heads + head_first + h0) * head_dim, kb, s.data() + h0 * block_size, n, group,
+                          head_dim, token_stride, block_size, scale);
+              for (int64_t h = h0; h < h0 + group; ++h)
+                softmax_block(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
+              values_bf16(vb, s.data() + h0 * block_size, acc.data() + h0 * head_dim, n, group, head_dim, token_stride,
+                          block_size);
+              continue;
+            }
+          }
+#endif
           // Scores: each key converted to fp32 once, then dotted with every query head of its group.
           for (int64_t t = 0; t < n; ++t) {
             const T* kp = kb + t * token_stride;
@@ -108,87 +165,6 @@ static void decode_kernel(
   });
 }
 
-#if defined(__AVX512BF16__)
-// The bf16 decode kernel with AVX512-BF16: dot products straight from the bf16 cache with
-// vdpbf16ps (pairs of bf16 products summed in fp32, no conversion pass over the keys),
-// values widened 16 at a time. Same work split and online softmax as decode_kernel; the
-// generic kernel spent ~340 cycles per (token, kv head) at 64 sequences, compute-bound at
-// 4 GB/s of KV, on the dev box. head_dim must be a multiple of 32.
-static void decode_kernel_bf16(
-    const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, at::BFloat16* out,
-    const int32_t* block_tables, const int32_t* seq_lens,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t table_width, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
-  const int64_t heads_per_item = num_kv_heads / splits;
-  const int64_t chunks = head_dim / 32;  // 32 bf16 per zmm
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
-    const int64_t width = heads_per_item * group;
-    std::vector<float> acc(width * head_dim), m(width), l(width), s(width * block_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / splits, kv_first = (item % splits) * heads_per_item;
-      const int64_t len = seq_lens[seq];
-      const int64_t head_first = kv_first * group;
-      const at::BFloat16* qbase = q + (seq * num_heads + head_first) * head_dim;
-      for (int64_t h = 0; h < width; ++h) {
-        m[h] = -std::numeric_limits<float>::infinity();
-        l[h] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int32_t* table = block_tables + seq * table_width;
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
-        const int64_t block_off = table[start / block_size] * block_stride;
-        for (int64_t kh = 0; kh < heads_per_item; ++kh) {
-          const at::BFloat16* kb = k_cache + block_off + (kv_first + kh) * head_dim;
-          const at::BFloat16* vb = v_cache + block_off + (kv_first + kh) * head_dim;
-          const int64_t h0 = kh * group;
-          for (int64_t t = 0; t < n; ++t) {
-            const at::BFloat16* kp = kb + t * token_stride;
-            for (int64_t g = 0; g < group; ++g) {
-              const at::BFloat16* qp = qbase + (h0 + g) * head_dim;
-              __m512 dot = _mm512_setzero_ps();
-              for (int64_t c = 0; c < chunks; ++c) {
-                const __m512i kv = _mm512_loadu_si512(kp + c * 32);
-                const __m512i qv = _mm512_loadu_si512(qp + c * 32);
-                dot = _mm512_dpbf16_ps(dot, (__m512bh)qv, (__m512bh)kv);
-              }
-              s[(h0 + g) * block_size + t] = _mm512_reduce_add_ps(dot) * scale;
-            }
-          }
-          for (int64_t h = h0; h < h0 + group; ++h)
-            softmax_block(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
-          // Values: 16 dims at a time, the group's accumulators held in registers across the
-          // block's tokens (independent FMA chains, no store-to-load round trip per token).
-          for (int64_t c = 0; c < head_dim / 16; ++c) {
-            for (int64_t g0 = 0; g0 < group; g0 += 4) {
-              const int64_t gn = std::min<int64_t>(4, group - g0);
-              __m512 r[4];
-              for (int64_t g = 0; g < gn; ++g) r[g] = _mm512_loadu_ps(acc.data() + (h0 + g0 + g) * head_dim + c * 16);
-              for (int64_t t = 0; t < n; ++t) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * token_stride + c * 16));
-                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-                for (int64_t g = 0; g < gn; ++g)
-                  r[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[(h0 + g0 + g) * block_size + t]), v, r[g]);
-              }
-              for (int64_t g = 0; g < gn; ++g) _mm512_storeu_ps(acc.data() + (h0 + g0 + g) * head_dim + c * 16, r[g]);
-            }
-          }
-        }
-      }
-      for (int64_t h = 0; h < width; ++h) {
-        at::BFloat16* op = out + (seq * num_heads + head_first + h) * head_dim;
-        const float inv = len > 0 ? 1.f / l[h] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) op[d] = static_cast<at::BFloat16>(acc[h * head_dim + d] * inv);
-      }
-    }
-  });
-}
-#endif
-
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [seqs, heads, dim], caches [blocks, block_size, kv_heads, dim]");
@@ -204,14 +180,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.size(3) == dim && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block_size, kv_heads, q's head_dim]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
               "one block-table row and one length per query");
-#if defined(__AVX512BF16__)
-  if (q.scalar_type() == at::kBFloat16 && dim % 32 == 0) {
-    decode_kernel_bf16(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                       out.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                       q.size(0), heads, kv_heads, dim, k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
-    return out;
-  }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
