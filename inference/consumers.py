@@ -26,7 +26,7 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 
 from inference import formatting, protocol
-from inference.generation import Caller, Generation
+from inference.generation import Caller, Generation, engine_failure
 from inference.host import host
 from tenants.errors import ApiError
 
@@ -212,8 +212,7 @@ class OpenAIConsumer(EngineHttpConsumer):
                 await gen.close()
                 error = next((c.error for c in gen.choices if c.error), None)
                 if error:
-                    raise ApiError(500, f"The engine failed while generating: {error}", type="server_error",
-                                   code="engine_error")
+                    raise engine_failure(error)
                 await self.send_json_response(formatting.completion_response(gen, formatting.token_text(host.tokenizer)), headers)
         finally:
             await gen.close()
@@ -227,8 +226,7 @@ class OpenAIConsumer(EngineHttpConsumer):
         async def on_batch(batch):
             for choice, out in batch:
                 if out.error:
-                    raise ApiError(500, f"The engine failed while generating: {out.error}", type="server_error",
-                                   code="engine_error")
+                    raise engine_failure(out.error)
             await self.send_event(_json(formatting.delta_chunk(gen, batch, texts)).decode())
 
         await self.stream_generation(gen, on_batch, settings.SSE_HEARTBEAT_S)
@@ -267,8 +265,7 @@ class PlatformChatConsumer(EngineHttpConsumer):
                             "tokens": len(out.new_token_ids),
                         }).decode(), event="token")
                     if out.error:
-                        raise ApiError(500, f"The engine failed while generating: {out.error}", type="server_error",
-                                       code="engine_error")
+                        raise engine_failure(out.error)
 
             await self.stream_generation(gen, on_batch, settings.SSE_HEARTBEAT_S)
             await gen.close()

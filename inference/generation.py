@@ -94,6 +94,11 @@ def engine_error(exc: Exception) -> ApiError:
     raise exc
 
 
+def engine_failure(message: str) -> ApiError:
+    """A request the engine failed part-way (a step raised; the engine serves on)."""
+    return ApiError(500, f"The engine failed while generating: {message}", type="server_error", code="engine_error")
+
+
 @dataclass
 class Choice:
     index: int

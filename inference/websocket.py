@@ -29,7 +29,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from inference import protocol
-from inference.generation import Caller, Generation
+from inference.generation import Caller, Generation, engine_failure
 from tenants import errors, quota
 from tenants.authentication import authenticate_bearer
 from tenants.errors import ApiError
@@ -164,8 +164,7 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
                         seq += 1
                     if out.error:
                         await gen.close()
-                        return await self._error(gen_id, ApiError(500, f"The engine failed while generating: {out.error}",
-                                                                  type="server_error", code="engine_error"))
+                        return await self._error(gen_id, engine_failure(out.error))
         except asyncio.CancelledError:
             cancelled = True
         except Exception:
