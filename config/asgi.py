@@ -17,8 +17,9 @@ from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
 
+MULTIPART_OVERHEAD = 64 * 1024  # form boundaries and the purpose field around an uploaded file
 # Body limit while the body arrives, and RFC 6455 close codes for consumers (see daphne_hooks).
-daphne_hooks.install_body_limit(settings.MAX_REQUEST_BYTES)
+daphne_hooks.install_body_limit(settings.MAX_REQUEST_BYTES, {"/v1/files": settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD})
 daphne_hooks.allow_endpoint_close_codes()
 
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a

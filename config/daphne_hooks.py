@@ -26,7 +26,13 @@ from __future__ import annotations
 
 import json
 
-_state = {"limit": None}
+_state: dict = {"limit": None, "paths": {}}
+
+
+def _limit_for(path: bytes) -> int:
+    """The limit for a request path: a per-path one (file uploads) or the default."""
+    path = path.split(b"?", 1)[0].rstrip(b"/")
+    return _state["paths"].get(path.decode("latin-1"), _state["limit"])
 
 
 def _refusal(limit: int) -> bytes:
@@ -43,9 +49,11 @@ def _refusal(limit: int) -> bytes:
     return head + body
 
 
-def install_body_limit(limit: int) -> None:
-    """Hook daphne's request class (once per process; a second call only changes the limit)."""
+def install_body_limit(limit: int, paths: dict[str, int] | None = None) -> None:
+    """Hook daphne's request class (once per process; a second call only changes the limits).
+    `paths` maps exact request paths to their own limit (file uploads take more)."""
     _state["limit"] = limit
+    _state["paths"] = {p.rstrip("/"): n for p, n in (paths or {}).items()}
     from daphne.http_protocol import WebRequest
 
     if getattr(WebRequest, "_body_limit_installed", False):
@@ -57,21 +65,22 @@ def install_body_limit(limit: int) -> None:
         request.requestHeaders.removeHeader(b"Expect")  # no `100 Continue` for a body we refuse
         transport = request.channel.transport if request.channel is not None else None
         if transport is not None:
-            transport.write(_refusal(_state["limit"]))
+            transport.write(_refusal(request._body_limit))
             transport.loseConnection()
 
     def gotLength(self, length):
         self._body_seen = 0
         self._body_refused = False
+        self._body_limit = _limit_for(getattr(self.channel, "_path", b""))
         got_length(self, length)
-        if length is not None and length > _state["limit"]:
+        if length is not None and length > self._body_limit:
             refuse(self)
 
     def handleContentChunk(self, data):
         if getattr(self, "_body_refused", False):
             return
         self._body_seen = getattr(self, "_body_seen", 0) + len(data)
-        if self._body_seen > _state["limit"]:
+        if self._body_seen > getattr(self, "_body_limit", _state["limit"]):
             refuse(self)
             return
         handle_chunk(self, data)

@@ -134,6 +134,35 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_RESULT_EXPIRES = 24 * 3600
+# Batch items run on a thread pool: each waits on the engine over HTTP, so one worker
+# process keeps several in flight (BATCH_WORKER_CONCURRENCY of them).
+CELERY_WORKER_POOL = "threads"
+CELERY_WORKER_CONCURRENCY = env.int("BATCH_WORKER_CONCURRENCY", default=8)
+CELERY_TASK_IGNORE_RESULT = True
+# A warm shutdown (SIGTERM) releases running batch items at once (inference.batch_worker)
+# instead of waiting for them to finish.
+
+# --- batch jobs (inference.batches) ------------------------------------------------------
+
+# Where workers send batch items: an engine replica's internal endpoint (or a balancer).
+BATCH_ENGINE_URL = env.str("BATCH_ENGINE_URL", default=f"http://127.0.0.1:{env.int('WEB_PORT', default=PORT)}")
+FILES_MAX_BYTES = env.int("FILES_MAX_BYTES", default=100 * 1024**2)
+BATCH_MAX_LINES = env.int("BATCH_MAX_LINES", default=50_000)
+# A delivery that started running an item and ended badly counts; after this many the item fails.
+BATCH_MAX_ATTEMPTS = env.int("BATCH_MAX_ATTEMPTS", default=5)
+# Backoff between attempts: base * 2^(attempt-1), capped, with full jitter.
+BATCH_RETRY_BASE_S = env.float("BATCH_RETRY_BASE_S", default=2.0)
+BATCH_RETRY_MAX_S = env.float("BATCH_RETRY_MAX_S", default=300.0)
+# A running item whose worker stopped heartbeating for this long (killed) runs again.
+BATCH_ITEM_LEASE_S = env.float("BATCH_ITEM_LEASE_S", default=60.0)
+# A message sent but not picked up for this long is sent again (the sweep's backstop
+# for a message lost with its worker). Duplicates are harmless: an item runs once.
+BATCH_DISPATCH_STALE_S = env.float("BATCH_DISPATCH_STALE_S", default=1800.0)
+# How many items of one batch are sent to the queue at a time; finishing one sends the next.
+BATCH_DISPATCH_WINDOW = env.int("BATCH_DISPATCH_WINDOW", default=64)
+BATCH_SWEEP_INTERVAL_S = env.float("BATCH_SWEEP_INTERVAL_S", default=5.0)
+# An item's HTTP call to the engine gives up after this long (it is then retried).
+BATCH_REQUEST_TIMEOUT_S = env.float("BATCH_REQUEST_TIMEOUT_S", default=600.0)
 
 # --- API ----------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import json
 import logging
 from typing import Any
 
+import redis
 from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
@@ -28,7 +29,7 @@ from django.conf import settings
 from inference import formatting, protocol
 from inference.generation import Caller, Generation, engine_failure
 from inference.host import host
-from tenants.errors import ApiError
+from tenants.errors import ApiError, limits_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class EngineHttpConsumer(AsyncHttpConsumer):
             await self._fail(error)
         except asyncio.CancelledError:
             raise
+        except redis.RedisError as exc:  # limits or leases cannot be checked: 503, retry shortly
+            await self._fail(limits_unavailable(exc))
         except Exception:
             log.exception("%s: unexpected error", self.scope["path"])
             await self._fail(server_error())
@@ -196,12 +199,18 @@ class OpenAIConsumer(EngineHttpConsumer):
     """POST /v1/chat/completions and /v1/completions (the `kind` keyword of the route)."""
 
     kind = "chat"
+    lane: int | None = None  # None: the tier's lane or the one the request asks for
+    metered = True  # counted against the tenant's tokens/min and concurrent streams
+
+    def request_id(self) -> str | None:
+        return None  # a fresh id per request
 
     async def respond(self, body: bytes) -> None:
         data = protocol.parse_body(body)
         request = protocol.parse_chat(data) if self.kind == "chat" else protocol.parse_completion(data)
-        gen = Generation(request, self.caller(), hold_lease=request.stream,
-                         id_prefix="chatcmpl" if self.kind == "chat" else "cmpl")
+        gen = Generation(request, self.caller(), hold_lease=request.stream and self.metered,
+                         id_prefix="chatcmpl" if self.kind == "chat" else "cmpl", lane_override=self.lane,
+                         metered=self.metered, request_id=self.request_id())
         try:
             await gen.start()
             headers = {"X-Request-Id": gen.id, "X-Lane": f"P{gen.lane}", **gen.rate_limit_headers()}

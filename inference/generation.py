@@ -136,6 +136,9 @@ class Generation:
     header_priority: int | None = None
     hold_lease: bool = False
     id_prefix: str = "chatcmpl"
+    lane_override: int | None = None  # batch items: always P2, whatever they ask for
+    metered: bool = True  # False: outside tokens/min (batch items); max_tokens and the monthly budget still hold
+    request_id: str | None = None
 
     id: str = field(init=False)
     created: int = field(init=False)
@@ -157,7 +160,7 @@ class Generation:
     _closed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.id = self.request_id or f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     @property
@@ -186,8 +189,11 @@ class Generation:
         if request.model is not None and request.model != self.model:
             raise ApiError(404, f"The model '{request.model}' does not exist; this server serves '{self.model}'.",
                            code="model_not_found", param="model")
-        self.lane = resolve_lane(tier.lane, request.priority if request.priority is not None else self.header_priority,
-                                 "priority" if request.priority is not None else "X-Priority")
+        if self.lane_override is not None:
+            self.lane = self.lane_override
+        else:
+            self.lane = resolve_lane(tier.lane, request.priority if request.priority is not None else self.header_priority,
+                                     "priority" if request.priority is not None else "X-Priority")
         try:
             engine = await host.wait_engine()
         except EngineUnavailable as exc:
@@ -197,12 +203,16 @@ class Generation:
         choices = request.n * len(self.prompt_token_ids)
         prompt_tokens = sum(len(p) for p in self.prompt_token_ids)
         try:
-            self.token_decision = await database_sync_to_async(quota.admit_tokens)(self.tenant, prompt_tokens, max_tokens, choices)
+            if self.metered:
+                self.token_decision = await database_sync_to_async(quota.admit_tokens)(
+                    self.tenant, prompt_tokens, max_tokens, choices)
+                self._reserved = prompt_tokens + max_tokens * choices
+            else:
+                await database_sync_to_async(quota.admit_unmetered_tokens)(self.tenant, max_tokens)
         except ApiError as error:
             if error.param == "max_tokens":  # name the field the client sent
                 error.param = request.max_tokens_param
             raise
-        self._reserved = prompt_tokens + max_tokens * choices
         if self.hold_lease:
             await self._open_lease()
             self._renewer = asyncio.create_task(self._renew_lease(self._lease))

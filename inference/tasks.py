@@ -1,8 +1,43 @@
-"""Celery tasks of the inference app."""
+"""Celery tasks of the inference app, and the worker's own batch sweep.
+
+Delivery guarantees come from settings (acks_late, reject_on_worker_lost, prefetch 1) and
+from the database: a task only carries an item id, and `inference.batches` decides
+whether that item runs. A lost message is sent again by the sweep; a duplicate one finds
+its item already taken and does nothing.
+"""
+import threading
+
 from celery import shared_task
+from celery.signals import worker_ready, worker_shutting_down
+
+from inference import batch_worker, batches
+
+_sweep_stop = threading.Event()
 
 
 @shared_task(name="inference.ping")
 def ping() -> str:
     """Proves a worker is consuming the queue (used by tests and operators' tools)."""
     return "pong"
+
+
+@shared_task(name=batches.RUN_TASK)
+def run_batch_item(item_id: int) -> str:
+    return batch_worker.run_item(item_id)
+
+
+@shared_task(name="inference.sweep_batches")
+def sweep_batches() -> dict:
+    """One sweep on demand (every worker also sweeps on its own schedule)."""
+    return batches.sweep()
+
+
+@worker_ready.connect
+def _start_sweeping(**kwargs) -> None:
+    batch_worker.start_sweeper(_sweep_stop)
+
+
+@worker_shutting_down.connect
+def _hand_items_back(**kwargs) -> None:
+    batch_worker.shutting_down.set()
+    _sweep_stop.set()

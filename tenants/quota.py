@@ -55,13 +55,7 @@ def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int, choices: i
     use once it ends. The monthly budget counts only what was used.
     """
     tier = tenant.tier
-    if max_tokens > tier.max_tokens_per_request:
-        raise errors.ApiError(
-            400,
-            f"max_tokens is {max_tokens}, above this tier's limit of {tier.max_tokens_per_request}.",
-            code="max_tokens_exceeded",
-            param="max_tokens",
-        )
+    _check_max_tokens(tier, max_tokens)
     cost = prompt_tokens + max_tokens * choices
     if cost > tier.tokens_per_minute:
         raise errors.ApiError(
@@ -75,6 +69,23 @@ def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int, choices: i
     if not decision.allowed:
         raise errors.rate_limited(decision)
     return decision
+
+
+def admit_unmetered_tokens(tenant: Tenant, max_tokens: int) -> None:
+    """Batch work: outside tokens/min (it runs at the engine's pace in its own lane), but
+    within the tier's per-request limit and monthly budget."""
+    _check_max_tokens(tenant.tier, max_tokens)
+    check_monthly_budget(tenant)
+
+
+def _check_max_tokens(tier, max_tokens: int) -> None:
+    if max_tokens > tier.max_tokens_per_request:
+        raise errors.ApiError(
+            400,
+            f"max_tokens is {max_tokens}, above this tier's limit of {tier.max_tokens_per_request}.",
+            code="max_tokens_exceeded",
+            param="max_tokens",
+        )
 
 
 def settle_tokens(tenant: Tenant, reserved: int, used: int) -> None:

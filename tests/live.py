@@ -125,10 +125,14 @@ for name, tier_name in TENANTS.items():
 """
 
 
-def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str], env: dict[str, str] | None = None):
+def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str], env: dict[str, str] | None = None,
+                      redis_url: str | None = None):
     """Start everything; returns (server, stop). `tiers`: name -> save_tier fields;
-    `tenants`: tenant name -> tier name (each gets one key)."""
-    redis_proc, redis_url = start_redis(tmp)
+    `tenants`: tenant name -> tier name (each gets one key). With `redis_url`, the caller
+    owns that Redis (to stop and restart it); otherwise the server gets its own."""
+    redis_proc = None
+    if redis_url is None:
+        redis_proc, redis_url = start_redis(tmp)
     db_url, drop_db = _database(tmp)
     port = free_port()
     token = secrets.token_urlsafe(32)
@@ -150,8 +154,9 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
             except subprocess.TimeoutExpired:
                 daphne.kill()
                 daphne.wait()
-        redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
         drop_db()
 
     try:

@@ -1,0 +1,218 @@
+"""The OpenAI Files and Batch APIs. Views parse, call `inference.batches`, and respond.
+
+Every lookup is scoped to the caller's tenant, so another tenant's file or batch is a
+404, exactly like one that does not exist.
+"""
+from typing import Any
+
+from django.http import HttpResponse
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from inference import batches
+from inference.models import Batch, File
+from tenants.api import TenantAPIView
+from tenants.errors import ApiError
+
+MAX_PAGE = 100
+MAX_METADATA_KEYS = 16  # as OpenAI
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def _not_found(kind: str, object_id: str) -> ApiError:
+    return ApiError(404, f"No {kind} with id '{object_id}' was found.", code=f"{kind}_not_found")
+
+
+def _own_file(request: Request, file_id: str) -> File:
+    file = File.objects.filter(tenant=request.user, pk=file_id).defer("content").first()
+    if file is None:
+        raise _not_found("file", file_id)
+    return file
+
+
+def _own_batch(request: Request, batch_id: str) -> Batch:
+    batch = Batch.objects.filter(tenant=request.user, pk=batch_id).first()
+    if batch is None:
+        raise _not_found("batch", batch_id)
+    return batch
+
+
+def _limit(request: Request) -> int:
+    raw = request.query_params.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise ApiError(400, f"'limit' must be an integer from 1 to {MAX_PAGE}.", code="invalid_value", param="limit")
+    return int(raw)
+
+
+def _page(queryset, request: Request, make: Any) -> dict:
+    """OpenAI's cursor pagination: newest first, `after` the last id of the previous page."""
+    limit = _limit(request)
+    after = request.query_params.get("after")
+    if after:
+        anchor = queryset.filter(pk=after).values("created_at").first()
+        if anchor is None:
+            raise ApiError(400, f"'after' names no object of yours: '{after}'.", code="invalid_value", param="after")
+        queryset = queryset.filter(created_at__lte=anchor["created_at"]).exclude(
+            created_at=anchor["created_at"], pk__gte=after)
+    rows = list(queryset.order_by("-created_at", "-pk")[: limit + 1])
+    data = [make(row) for row in rows[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+
+FILE_SCHEMA = inline_serializer("File", {
+    "id": serializers.CharField(), "object": serializers.ChoiceField(choices=["file"]),
+    "bytes": serializers.IntegerField(), "created_at": serializers.IntegerField(),
+    "filename": serializers.CharField(), "purpose": serializers.CharField(), "status": serializers.CharField(),
+})
+BATCH_SCHEMA = inline_serializer("Batch", {
+    "id": serializers.CharField(), "object": serializers.ChoiceField(choices=["batch"]),
+    "endpoint": serializers.CharField(), "input_file_id": serializers.CharField(),
+    "completion_window": serializers.CharField(), "status": serializers.ChoiceField(choices=Batch.Status.values),
+    "output_file_id": serializers.CharField(allow_null=True), "error_file_id": serializers.CharField(allow_null=True),
+    "created_at": serializers.IntegerField(), "expires_at": serializers.IntegerField(),
+    "request_counts": inline_serializer("BatchRequestCounts", {
+        "total": serializers.IntegerField(), "completed": serializers.IntegerField(),
+        "failed": serializers.IntegerField()}),
+    "metadata": serializers.DictField(allow_null=True),
+})
+PAGE_PARAMS = [OpenApiParameter("limit", int, description=f"1..{MAX_PAGE}, default 20"),
+               OpenApiParameter("after", str, description="the last id of the previous page")]
+
+
+class FileList(TenantAPIView):
+    """POST /v1/files (multipart: `file`, `purpose=batch`), GET /v1/files."""
+
+    parser_classes = [MultiPartParser]
+
+    @extend_schema(operation_id="createFile", tags=["files"], responses={200: FILE_SCHEMA},
+                   request={"multipart/form-data": inline_serializer("FileUpload", {
+                       "file": serializers.FileField(), "purpose": serializers.ChoiceField(choices=["batch"])})})
+    def post(self, request: Request) -> Response:
+        upload = request.FILES.get("file")
+        if upload is None:
+            raise ApiError(400, "Send the file as the multipart field 'file'.", code="missing_required_parameter",
+                           param="file")
+        purpose = request.data.get("purpose")
+        if not purpose:
+            raise ApiError(400, "'purpose' is required (\"batch\").", code="missing_required_parameter", param="purpose")
+        file = batches.upload_file(request.user, upload.name or "", upload.read(), purpose)
+        return Response(batches.file_object(file))
+
+    @extend_schema(operation_id="listFiles", tags=["files"], parameters=[
+        *PAGE_PARAMS, OpenApiParameter("purpose", str)], responses={200: FILE_SCHEMA})
+    def get(self, request: Request) -> Response:
+        files = File.objects.filter(tenant=request.user).defer("content")
+        if request.query_params.get("purpose"):
+            files = files.filter(purpose=request.query_params["purpose"])
+        return Response(_page(files, request, batches.file_object))
+
+
+class FileDetail(TenantAPIView):
+    """GET /v1/files/{id}, DELETE /v1/files/{id}."""
+
+    @extend_schema(operation_id="retrieveFile", tags=["files"], responses={200: FILE_SCHEMA})
+    def get(self, request: Request, file_id: str) -> Response:
+        return Response(batches.file_object(_own_file(request, file_id)))
+
+    @extend_schema(operation_id="deleteFile", tags=["files"], responses={200: inline_serializer("FileDeleted", {
+        "id": serializers.CharField(), "object": serializers.CharField(), "deleted": serializers.BooleanField()})})
+    def delete(self, request: Request, file_id: str) -> Response:
+        batches.delete_file(_own_file(request, file_id))
+        return Response({"id": file_id, "object": "file", "deleted": True})
+
+
+class AnyAccept(BaseContentNegotiation):
+    """The file's bytes answer any Accept header (the openai client asks for
+    `application/binary`); errors still render as JSON."""
+
+    def select_parser(self, request, parsers):
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+class FileContent(TenantAPIView):
+    """GET /v1/files/{id}/content: the file's bytes (JSONL)."""
+
+    content_negotiation_class = AnyAccept
+
+    @extend_schema(operation_id="downloadFile", tags=["files"], responses={(200, "application/jsonl"): bytes})
+    def get(self, request: Request, file_id: str) -> HttpResponse:
+        file = File.objects.filter(tenant=request.user, pk=file_id).first()
+        if file is None:
+            raise _not_found("file", file_id)
+        response = HttpResponse(bytes(file.content), content_type="application/jsonl")
+        response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
+        return response
+
+
+def _batch_spec(request: Request) -> batches.BatchSpec:
+    data = request.data
+    if not isinstance(data, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    unknown = sorted(set(data) - {"input_file_id", "endpoint", "completion_window", "metadata"})
+    if unknown:
+        raise ApiError(400, f"Unrecognized request argument(s): {', '.join(unknown)}.", code="unknown_parameter",
+                       param=unknown[0])
+    for name in ("input_file_id", "endpoint", "completion_window"):
+        if not isinstance(data.get(name), str) or not data[name]:
+            raise ApiError(400, f"'{name}' is required and must be a string.", code="missing_required_parameter",
+                           param=name)
+    metadata = data.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS
+                                     and all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                             for k, v in metadata.items())):
+        raise ApiError(400, f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values "
+                            "(keys up to 64 characters, values up to 512).", code="invalid_value", param="metadata")
+    key = request.headers.get("Idempotency-Key", "").strip()
+    if len(key) > MAX_IDEMPOTENCY_KEY:
+        raise ApiError(400, f"The Idempotency-Key header is longer than {MAX_IDEMPOTENCY_KEY} characters.",
+                       code="invalid_value", param="Idempotency-Key")
+    return batches.BatchSpec(data["input_file_id"], data["endpoint"], data["completion_window"], metadata, key)
+
+
+class BatchList(TenantAPIView):
+    """POST /v1/batches (an `Idempotency-Key` header replays the first answer), GET /v1/batches."""
+
+    parser_classes = [JSONParser]
+
+    @extend_schema(operation_id="createBatch", tags=["batches"], responses={200: BATCH_SCHEMA},
+                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)],
+                   request=inline_serializer("BatchCreate", {
+                       "input_file_id": serializers.CharField(),
+                       "endpoint": serializers.ChoiceField(choices=["/v1/chat/completions", "/v1/completions"]),
+                       "completion_window": serializers.ChoiceField(choices=["24h"]),
+                       "metadata": serializers.DictField(child=serializers.CharField(), required=False)}))
+    def post(self, request: Request) -> Response:
+        batch, _ = batches.create_batch(request.user, _batch_spec(request))
+        return Response(batches.batch_object(batch))
+
+    @extend_schema(operation_id="listBatches", tags=["batches"], parameters=PAGE_PARAMS,
+                   responses={200: BATCH_SCHEMA})
+    def get(self, request: Request) -> Response:
+        return Response(_page(Batch.objects.filter(tenant=request.user), request, batches.batch_object))
+
+
+class BatchDetail(TenantAPIView):
+    """GET /v1/batches/{id}."""
+
+    @extend_schema(operation_id="retrieveBatch", tags=["batches"], responses={200: BATCH_SCHEMA})
+    def get(self, request: Request, batch_id: str) -> Response:
+        return Response(batches.batch_object(_own_batch(request, batch_id)))
+
+
+class BatchCancel(TenantAPIView):
+    """POST /v1/batches/{id}/cancel: queued items stop at once, running ones are aborted."""
+
+    @extend_schema(operation_id="cancelBatch", tags=["batches"], request=None, responses={200: BATCH_SCHEMA})
+    def post(self, request: Request, batch_id: str) -> Response:
+        batch = _own_batch(request, batch_id)
+        if batch.status in (Batch.Status.COMPLETED, Batch.Status.FAILED, Batch.Status.EXPIRED):
+            raise ApiError(409, f"Cannot cancel a batch that is {batch.status}.", code="batch_not_cancellable")
+        return Response(batches.batch_object(batches.cancel(batch)))

@@ -1,0 +1,71 @@
+"""The internal endpoints batch workers call: /internal/v1/chat/completions and
+/internal/v1/completions.
+
+A worker authenticates with the service token (`Authorization: Bearer
+<INTERNAL_API_TOKEN>`) and acts for one tenant (`X-Tenant-Id`). The request runs in lane
+P2 whatever it asks for, is not counted against the tenant's interactive requests/min or
+tokens/min (batch work has its own pace: the engine's back-pressure), is still held to
+the tier's max_tokens and monthly budget, and its usage is recorded against the tenant in
+lane P2 with the worker's `X-Request-Id`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+from django.utils.crypto import constant_time_compare
+
+from inference.consumers import OpenAIConsumer
+from tenants.authentication import bearer_token
+from tenants.errors import ApiError
+from tenants.middleware import Scope, _header, _refuse
+from tenants.models import Lane, Tenant
+
+MAX_REQUEST_ID = 64
+
+
+def _tenant(tenant_id: str) -> Tenant | None:
+    if not tenant_id.isdigit():
+        return None
+    return Tenant.objects.select_related("tier").filter(pk=int(tenant_id), is_active=True).first()
+
+
+class ServiceTokenMiddleware:
+    """Admits the service token only; the scope gains the tenant the worker acts for."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        expected = settings.INTERNAL_API_TOKEN
+        token = bearer_token(_header(scope, b"authorization"))
+        if not expected or token is None or not constant_time_compare(token, expected):
+            error = ApiError(401, "Internal endpoints need 'Authorization: Bearer <INTERNAL_API_TOKEN>'.",
+                             code="invalid_service_token", headers={"WWW-Authenticate": "Bearer"})
+            return await _refuse(scope, receive, send, error)
+        tenant = await database_sync_to_async(_tenant)(_header(scope, b"x-tenant-id") or "")
+        if tenant is None:
+            error = ApiError(404, "No active tenant with the id in X-Tenant-Id.", code="tenant_not_found",
+                             param="X-Tenant-Id")
+            return await _refuse(scope, receive, send, error)
+        return await self.app({**scope, "tenant": tenant, "api_key": None, "rate_limit": None}, receive, send)
+
+
+class BatchItemConsumer(OpenAIConsumer):
+    """An OpenAI endpoint in lane P2, outside the interactive rate limits."""
+
+    lane = Lane.BATCH
+    metered = False
+
+    def request_id(self) -> str | None:
+        given = (self.header(b"x-request-id") or "").strip()
+        return given[:MAX_REQUEST_ID] or None
+
+
+class BatchChatConsumer(BatchItemConsumer):
+    kind = "chat"
+
+
+class BatchCompletionConsumer(BatchItemConsumer):
+    kind = "completion"
