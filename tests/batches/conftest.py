@@ -92,6 +92,11 @@ class Stack:
         self.workers.append(worker)
         return worker.start()
 
+    def ensure_worker(self) -> Worker:
+        """A running worker: one already started, or a new one."""
+        alive = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        return alive[0] if alive else self.worker()
+
     def kill_redis(self) -> None:
         self.redis_proc.kill()
         self.redis_proc.wait(timeout=10)
