@@ -9,6 +9,7 @@ with its line number.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
 MAX_CUSTOM_ID = 512
 MAX_REPORTED = 20  # bad lines named in one error message
+_PARSER_POSITION = re.compile(r"line 1 column (\d+) \(char \d+\)")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class FileRejected(ApiError):
     """An upload refused as a whole; `problems` lists (line number, what is wrong)."""
 
     def __init__(self, problems: list[tuple[int, str]], total: int) -> None:
-        shown = "; ".join(f"line {n}: {what}" for n, what in problems[:MAX_REPORTED])
+        shown = "; ".join(f"line {n}: {what.rstrip('.')}" for n, what in problems[:MAX_REPORTED])
         more = f"; and {total - MAX_REPORTED} more" if total > MAX_REPORTED else ""
         super().__init__(400, f"The file has {total} invalid line(s): {shown}{more}.", code="invalid_file", param="file")
         self.problems = problems
@@ -91,7 +93,9 @@ def parse_input(content: bytes, max_lines: int) -> list[InputLine]:
         try:
             data = protocol.parse_body(raw.encode())
         except ApiError as error:
-            problems.append((number, error.message.replace("The request body", "the line")))
+            # The JSON parser counts lines inside the one line it saw: keep only its column.
+            message = _PARSER_POSITION.sub(r"column \1", error.message)
+            problems.append((number, message.replace("The request body", "the line")))
             continue
         problem = _check_line(data)
         if problem is None and data["custom_id"] in seen:
