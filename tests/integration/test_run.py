@@ -1,5 +1,8 @@
 """`make run`'s launcher on a fresh database: it serves /readyz and the admin login, creates
-the admin once without asking anything, and SIGINT stops every process it started."""
+the admin once without asking anything, runs a batch job through its Celery worker, and
+SIGINT stops every process it started."""
+import io
+import json
 import os
 import signal
 import subprocess
@@ -66,6 +69,7 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
         names = {Path(f"/proc/{p}/cmdline").read_bytes() for p in started if alive(p)}
         assert any(b"redis-server" in n for n in names) and any(b"daphne" in n for n in names)
         assert any(b"celery" in n for n in names)
+        _a_batch_runs_through_the_worker(port, env)
     finally:
         started |= descendants(launcher.pid)
         launcher.send_signal(signal.SIGINT)
@@ -76,3 +80,22 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
             for p in survivors:
                 os.kill(p, signal.SIGKILL)
     assert not survivors, f"still running after SIGINT: {survivors}"
+
+
+def _a_batch_runs_through_the_worker(port: int, env: dict[str, str]) -> None:
+    """The worker and the web process found each other (broker, internal endpoint, token)."""
+    from openai import OpenAI
+
+    created = subprocess.run([sys.executable, "manage.py", "create_tenant", "batch-team", "--tier", "batch"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=120, check=True)
+    key = created.stdout.strip().splitlines()[-1].split()[-1]
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    lines = "".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"prompt": f"{i} + {i} =", "max_tokens": 2}}) + "\n" for i in range(3))
+    upload = client.files.create(file=("q.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status == "in_progress" and time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    assert batch.request_counts.completed == 3
