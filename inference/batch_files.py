@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from inference import catalog, protocol
+from inference import catalog
 from tenants.errors import ApiError
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -64,6 +64,10 @@ def _check_line(data: Any) -> str | None:
 
 
 def _check_body(url: str, body: dict) -> str | None:
+    # Imported here: the protocol module brings in the engine's SamplingParams (and torch),
+    # which the URL map, `manage.py` and the Celery worker must not load.
+    from inference import protocol
+
     try:
         request = protocol.parse_chat(body) if ENDPOINTS[url] == "chat" else protocol.parse_completion(body)
     except ApiError as error:
@@ -74,6 +78,12 @@ def _check_body(url: str, body: dict) -> str | None:
     if request.model is not None and request.model != served:
         return f"body: the model '{request.model}' does not exist; this server serves '{served}'"
     return None
+
+
+def _parse_line(raw: str) -> dict:
+    from inference import protocol
+
+    return protocol.parse_body(raw.encode())
 
 
 def parse_input(content: bytes, max_lines: int) -> list[InputLine]:
@@ -91,7 +101,7 @@ def parse_input(content: bytes, max_lines: int) -> list[InputLine]:
         if len(lines) + len(problems) >= max_lines:
             raise ApiError(400, f"The file has more than {max_lines} requests.", code="too_many_lines", param="file")
         try:
-            data = protocol.parse_body(raw.encode())
+            data = _parse_line(raw)
         except ApiError as error:
             # The JSON parser counts lines inside the one line it saw: keep only its column.
             message = _PARSER_POSITION.sub(r"column \1", error.message)
