@@ -64,13 +64,13 @@ def _page(queryset, request: Request, make: Any) -> dict:
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
 
-FILE_SCHEMA = inline_serializer("File", {
-    "id": serializers.CharField(), "object": serializers.ChoiceField(choices=["file"]),
+FILE_FIELDS = {
+    "id": serializers.CharField(), "object": serializers.CharField(help_text="file"),
     "bytes": serializers.IntegerField(), "created_at": serializers.IntegerField(),
     "filename": serializers.CharField(), "purpose": serializers.CharField(), "status": serializers.CharField(),
-})
-BATCH_SCHEMA = inline_serializer("Batch", {
-    "id": serializers.CharField(), "object": serializers.ChoiceField(choices=["batch"]),
+}
+BATCH_FIELDS = {
+    "id": serializers.CharField(), "object": serializers.CharField(help_text="batch"),
     "endpoint": serializers.CharField(), "input_file_id": serializers.CharField(),
     "completion_window": serializers.CharField(), "status": serializers.ChoiceField(choices=Batch.Status.values),
     "output_file_id": serializers.CharField(allow_null=True), "error_file_id": serializers.CharField(allow_null=True),
@@ -79,7 +79,18 @@ BATCH_SCHEMA = inline_serializer("Batch", {
         "total": serializers.IntegerField(), "completed": serializers.IntegerField(),
         "failed": serializers.IntegerField()}),
     "metadata": serializers.DictField(allow_null=True),
-})
+}
+FILE_SCHEMA = inline_serializer("File", FILE_FIELDS)
+BATCH_SCHEMA = inline_serializer("Batch", BATCH_FIELDS)
+
+
+def _list_schema(name: str, item: str, fields: dict) -> serializers.Serializer:
+    return inline_serializer(name, {
+        "object": serializers.CharField(help_text="list"), "data": inline_serializer(item, fields, many=True),
+        "first_id": serializers.CharField(allow_null=True), "last_id": serializers.CharField(allow_null=True),
+        "has_more": serializers.BooleanField()})
+
+
 PAGE_PARAMS = [OpenApiParameter("limit", int, description=f"1..{MAX_PAGE}, default 20"),
                OpenApiParameter("after", str, description="the last id of the previous page")]
 
@@ -104,7 +115,7 @@ class FileList(TenantAPIView):
         return Response(batches.file_object(file))
 
     @extend_schema(operation_id="listFiles", tags=["files"], parameters=[
-        *PAGE_PARAMS, OpenApiParameter("purpose", str)], responses={200: FILE_SCHEMA})
+        *PAGE_PARAMS, OpenApiParameter("purpose", str)], responses={200: _list_schema("FileList", "File", FILE_FIELDS)})
     def get(self, request: Request) -> Response:
         files = File.objects.filter(tenant=request.user).defer("content")
         if request.query_params.get("purpose"):
@@ -194,7 +205,7 @@ class BatchList(TenantAPIView):
         return Response(batches.batch_object(batch))
 
     @extend_schema(operation_id="listBatches", tags=["batches"], parameters=PAGE_PARAMS,
-                   responses={200: BATCH_SCHEMA})
+                   responses={200: _list_schema("BatchList", "Batch", BATCH_FIELDS)})
     def get(self, request: Request) -> Response:
         return Response(_page(Batch.objects.filter(tenant=request.user), request, batches.batch_object))
 

@@ -16,7 +16,7 @@ from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.views import APIView
 
-from inference import protocol
+from inference import batch_views, protocol
 from inference.views import ModelList
 
 
@@ -281,6 +281,13 @@ def close_request_bodies(result: dict, generator, request, public) -> dict:
 
 urlpatterns = [
     path("v1/models", ModelList.as_view()),
+    # The Files and Batch APIs are plain DRF views: the schema describes the real ones.
+    path("v1/files", batch_views.FileList.as_view()),
+    path("v1/files/<str:file_id>", batch_views.FileDetail.as_view()),
+    path("v1/files/<str:file_id>/content", batch_views.FileContent.as_view()),
+    path("v1/batches", batch_views.BatchList.as_view()),
+    path("v1/batches/<str:batch_id>", batch_views.BatchDetail.as_view()),
+    path("v1/batches/<str:batch_id>/cancel", batch_views.BatchCancel.as_view()),
     path("v1/chat/completions", ChatCompletionsDoc.as_view()),
     path("v1/completions", CompletionsDoc.as_view()),
     path("api/v1/inference/chat", PlatformChatDoc.as_view()),

@@ -22,7 +22,7 @@ TIERS = {
     "live-metered": {"lane": 1, "requests_per_minute": 100, "tokens_per_minute": 60, "concurrent_streams": 2,
                      "max_tokens_per_request": 50, "monthly_token_budget": 10**6},
     # Fuzzing: many requests, each short.
-    "live-fuzz": {"lane": 1, **{**BIG, "max_tokens_per_request": 8}},
+    "live-fuzz": {"lane": 1, **{**BIG, "max_tokens_per_request": 8}, "allow_batch": True},
 }
 
 TENANTS = {

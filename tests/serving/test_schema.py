@@ -1,7 +1,8 @@
 """The OpenAPI schema and Swagger UI of the live server, and Schemathesis fuzzing every
 operation the schema describes against the real engine.
 
-Tenant: "fuzz" (max_tokens_per_request 8, so each generated request is short).
+Tenant: "fuzz" (max_tokens_per_request 8, so each generated request is short; its tier
+allows batch jobs, so the Files and Batch APIs are fuzzed past the tier check).
 """
 from __future__ import annotations
 
@@ -23,13 +24,22 @@ from tests.live import LiveServer
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 120  # a hang guard for each request, never a timing assertion
-OPERATIONS = {
-    "/v1/chat/completions": "post",
-    "/v1/completions": "post",
-    "/v1/models": "get",
-    "/api/v1/inference/chat": "post",
-    "/api/v1/engine/stats": "get",
-}
+OPERATIONS = [
+    ("/v1/chat/completions", "post"),
+    ("/v1/completions", "post"),
+    ("/v1/models", "get"),
+    ("/api/v1/inference/chat", "post"),
+    ("/api/v1/engine/stats", "get"),
+    ("/v1/files", "post"),
+    ("/v1/files", "get"),
+    ("/v1/files/{file_id}", "get"),
+    ("/v1/files/{file_id}", "delete"),
+    ("/v1/files/{file_id}/content", "get"),
+    ("/v1/batches", "post"),
+    ("/v1/batches", "get"),
+    ("/v1/batches/{batch_id}", "get"),
+    ("/v1/batches/{batch_id}/cancel", "post"),
+]
 # Examples per operation: valid ones run a generation (seconds each on a loaded 2-core box),
 # invalid ones are refused at once. Derandomized, so every run sends the same requests.
 FUZZ_EXAMPLES = {GenerationMode.POSITIVE: 10, GenerationMode.NEGATIVE: 50}
@@ -53,7 +63,7 @@ def test_schema_is_valid_openapi_3(schema_json: dict):
 
 
 def test_schema_lists_every_endpoint(schema_json: dict):
-    for path, method in OPERATIONS.items():
+    for path, method in OPERATIONS:
         assert method in schema_json["paths"].get(path, {}), f"{method.upper()} {path} missing"
     # The consumer endpoints are documented with their real request bodies and errors.
     chat = schema_json["paths"]["/v1/chat/completions"]["post"]
@@ -115,7 +125,7 @@ def fuzz_schema(live: LiveServer):
 
 
 # An operation without inputs (the GETs) has no invalid request to generate.
-FUZZ_RUNS = [(path, method, mode) for path, method in OPERATIONS.items()
+FUZZ_RUNS = [(path, method, mode) for path, method in OPERATIONS
              for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
              if method == "post" or mode == GenerationMode.POSITIVE]
 
