@@ -3,10 +3,14 @@
 Mechanism lives here (budgets, blocks, preemption, swapping); policy (who goes
 first, who is the victim) is a `Policy` that only orders sequences. A step:
 
-1. Running sequences, best first, get one decode token or their next prefill chunk.
-   When one cannot get a block, the worst running sequence is preempted until it can.
-2. A waiting sequence of a strictly better effective lane than the worst running one
+1. A waiting sequence of a strictly better effective lane than the worst running one
    may preempt it when the batch or the block pool is full (priority policy only).
+2. Running sequences, best first, get one decode token or their next prefill chunk.
+   When one cannot get a block, the worst running sequence is preempted until it can.
+   Running batch (P2) work sits this step out when an interactive request has just
+   arrived and can be admitted now (priority policy only): the step that prefills it
+   carries no batch decodes, so batch traffic barely delays interactive first tokens.
+   Sitting out keeps every block; the batch work runs again the next step.
 3. Swapped and waiting sequences, in policy order, are swapped back in or admitted
    while the budgets and the pool allow; the first that does not fit stops the rest,
    so nobody overtakes the head of the queue.
@@ -50,6 +54,10 @@ class Policy:
 
     def served(self, seq: Sequence, num_tokens: int) -> None:
         """Called with the tokens computed for `seq` in a step (fair-share accounting)."""
+
+    def yields_to(self, running: Sequence, arrival: Sequence) -> bool:
+        """Whether `running` sits out the step that admits the newly arrived `arrival`."""
+        return False
 
 
 class FcfsPolicy(Policy):
@@ -99,6 +107,11 @@ class PriorityPolicy(Policy):
 
     def preempts_for_admission(self) -> bool:
         return True
+
+    def yields_to(self, running: Sequence, arrival: Sequence) -> bool:
+        # Base lanes, not aged ones: a long batch job ages up while it runs, and must still
+        # make way for a chat that has just arrived.
+        return running.lane == BATCH_LANE and arrival.lane < BATCH_LANE
 
     def served(self, seq: Sequence, num_tokens: int) -> None:
         lane = self.virtual[seq.lane]
@@ -180,6 +193,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.preemptions = {"recompute": 0, "swap": 0}
+        self._sat_out_in_vain: Sequence | None = None
 
     @property
     def num_preemptions(self) -> int:
@@ -215,7 +229,8 @@ class Scheduler:
         self.running.sort(key=lambda s: policy.victim_key(s, now))
         if policy.preempts_for_admission():
             self._preempt_for_better_lanes(now, step)
-        self._schedule_running(now, step)
+        head, sitting_out = self._sitting_out(now, step)
+        self._schedule_running(now, step, sitting_out)
 
         bm = self.block_manager
         entered = [b for s in step.scheduled for b in bm.commit_blocks(s.seq, s.start + s.num_new_tokens)]
@@ -235,6 +250,8 @@ class Scheduler:
                     hit_tokens += admitted
                     entered += bm.commit_blocks(seq, step.scheduled[-1].start + step.scheduled[-1].num_new_tokens)
 
+        if sitting_out and head.status is SequenceStatus.WAITING:
+            self._sat_out_in_vain = head  # never again for this one: no step is given up twice
         for item in step.scheduled:
             policy.served(item.seq, item.num_new_tokens)
         return SchedulerOutput(
@@ -258,11 +275,34 @@ class Scheduler:
             self.finish(seq, "error")
         return expired
 
-    def _schedule_running(self, now: float, step: _Step) -> None:
+    def _sitting_out(self, now: float, step: _Step) -> tuple[Sequence | None, frozenset[Sequence]]:
+        """The head of the queue and the running sequences that make way for it this step:
+        only for a request that has just arrived and gets in now (otherwise sitting out
+        would only slow the batch down)."""
+        if not self.waiting or not self.running:
+            return None, frozenset()
+        head = min(self.swapped + self.waiting, key=lambda s: self.policy.waiting_key(s, now))
+        if (head.status is not SequenceStatus.WAITING or head.num_preemptions or head is self._sat_out_in_vain
+                or len(self.running) >= self.config.max_num_seqs):
+            return None, frozenset()
+        yielding = frozenset(s for s in self.running if self.policy.yields_to(s, head))
+        if not yielding:
+            return None, frozenset()
+        bm = self.block_manager
+        prefix = bm.find_cached_prefix(head)
+        num_new = min(head.num_tokens - prefix.num_tokens(bm.block_size), step.budget)
+        if not bm.can_allocate(head, num_new, prefix):
+            return None, frozenset()
+        return head, yielding
+
+    def _schedule_running(self, now: float, step: _Step, sitting_out: frozenset[Sequence] = frozenset()) -> None:
         bm = self.block_manager
         i = 0
         while i < len(self.running) and step.budget > 0:
             seq = self.running[i]
+            if seq in sitting_out:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             while not bm.allocate(seq, num_new):
                 victim = self.running[-1]  # ranked worst by the policy, not yet scheduled

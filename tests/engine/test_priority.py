@@ -225,6 +225,55 @@ def test_a_p0_does_not_preempt_running_p0_work():
     assert engine.stats()["preemptions"] == 0
 
 
+def _scheduled_ids(schedule) -> list[str]:
+    return [item.seq.request_id for item in schedule.scheduled]
+
+
+def test_running_batch_work_sits_out_the_step_that_admits_an_arriving_chat():
+    """The step that prefills a new P0 carries no P2 decodes, so a running batch barely
+    delays first tokens; the batch decodes again the step after, token-identical."""
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=64)
+    batch = [engine.add_request(f"batch-{i}", [i + 1, 2, 3], params(12), lane=2) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    engine.add_request("chat", [9, 9, 9, 9, 9], params(3), lane=0)
+    engine.step()
+    engine.step()
+    admitting, after = engine.runner.schedules[-2:]
+    assert _scheduled_ids(admitting) == ["chat"]
+    assert sorted(_scheduled_ids(after)) == ["batch-0", "batch-1", "batch-2", "chat"]
+    outputs = run_to_completion(engine)
+    for i, seq in enumerate(batch):
+        assert outputs[f"batch-{i}"][-1].finish_reason == "length"
+        assert seq.output_token_ids == expected_output([i + 1, 2, 3], 12)
+    assert engine.stats()["preemptions"] == 0
+
+
+def test_batch_work_keeps_running_while_an_arriving_chat_cannot_get_in():
+    """Sitting out only helps a request admitted in that very step. Two P2s that have aged
+    to P0 fill the batch and may not be preempted by a new P0: they keep decoding."""
+    clock = ManualClock()
+    engine = fake_engine(clock, max_num_seqs=2, max_num_batched_tokens=64, aging_threshold_s=1.0)
+    for i in range(2):
+        engine.add_request(f"batch-{i}", [i + 1, 2, 3], params(20), lane=2)
+    engine.step()
+    clock.advance(2.5)  # aged up two lanes: P2 -> P0
+    engine.add_request("chat", [9, 9, 9], params(3), lane=0)
+    engine.step()
+    assert sorted(_scheduled_ids(engine.runner.schedules[-1])) == ["batch-0", "batch-1"]
+    outputs = run_to_completion(engine)
+    assert outputs["chat"][-1].finish_reason == "length"
+
+
+def test_other_policies_never_sit_batch_work_out():
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=64, policy="fcfs")
+    engine.add_request("batch", [1, 2, 3], params(6), lane=2)
+    engine.step()
+    engine.add_request("chat", [9, 9, 9], params(2), lane=0)
+    engine.step()
+    assert sorted(_scheduled_ids(engine.runner.schedules[-1])) == ["batch", "chat"]
+
+
 # -- swap and recompute keep outputs exact (real tiny model) -----------------------------------------
 
 SAMPLINGS = {
