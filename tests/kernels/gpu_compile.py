@@ -28,6 +28,8 @@ KERNEL_MODULES = (
     "kernels.rmsnorm",
     "kernels.rotary",
     "kernels.kv_cache",
+    "kernels.paged_decode",
+    "kernels.paged_prefill",
 )
 # H100/H200 (sm_90) and A100 (sm_80), the GPUs a lent machine is likely to have.
 TARGETS = ((90, "sm_90"), (80, "sm_80"))

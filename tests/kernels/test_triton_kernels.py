@@ -3,10 +3,13 @@ interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before `kernels` is impor
 
 Every output is NaN before a kernel runs, so an element it fails to write fails the
 test; every cache slot no sequence owns is NaN too, so a read outside a context does.
-Shapes are awkward on purpose: SmolLM2's 9 query heads over 3 KV heads, 32/8 at
-head_dim 128, 4/4 at an odd 24, rows of 1 and 129, a hidden size of 1823.
+Shapes are awkward on purpose: contexts 1, 15, 16, 17 and 1000 around both block sizes,
+SmolLM2's 9 query heads over 3 KV heads, 32/8 at head_dim 128, 4/4 at an odd 24, rows
+of 1 and 129, a hidden size of 1823. The interpreter runs each program in numpy (about
+3 ms per 32-key attention tile here), so 1000-token contexts appear in a few cases only.
 
-The same launches are then compiled for sm_90 and sm_80 without a GPU.
+The same launches are then compiled for sm_90 and sm_80 without a GPU, and a tiny
+engine must produce the same greedy tokens with KERNELS=triton and KERNELS=reference.
 """
 
 from __future__ import annotations
@@ -18,19 +21,28 @@ import sys
 import pytest
 import torch
 
+import kernels
 from kernels._triton import INTERPRETING
-from kernels.activation import silu_and_mul_impl, silu_and_mul_ref, silu_and_mul_triton
-from kernels.kv_cache import write_kv_impl, write_kv_triton
-from kernels.rmsnorm import add_rms_norm_impl, add_rms_norm_ref, add_rms_norm_triton, rms_norm_impl, rms_norm_ref, rms_norm_triton
-from kernels.rotary import apply_rotary_impl, apply_rotary_ref, apply_rotary_triton
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.kv_cache import write_kv_triton
+from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.paged_decode import num_splits_for, paged_decode_ref, paged_decode_triton
+from kernels.paged_prefill import paged_prefill_triton
+from kernels.rmsnorm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from tests.kernels.gpu_compile import compile_launches, kernels as all_kernels, record_launches
 from tests.kernels.test_cpu_kernels import (
     ATTENTION_IDS,
     ATTENTION_SHAPES,
+    CPU,
+    DECODE_BATCHES as CPU_DECODE_BATCHES,
     DTYPES,
+    PagedCache,
     gen,
+    greedy_tokens,
     norm_inputs,
     one_thread,  # noqa: F401  (an autouse fixture: one thread, as there)
+    query_slice,
     rope,
     same_bits,
 )
@@ -61,6 +73,15 @@ def tolerance(dtype: torch.dtype, roundings: int = 1) -> dict:
         return dict(rtol=1e-4, atol=1e-4)
     eps = torch.finfo(dtype).eps
     return dict(rtol=(roundings + 1) * eps, atol=(roundings + 1) * eps)
+
+
+def attention_tolerance(dtype: torch.dtype) -> dict:
+    # The kernels keep scores, probabilities and sums in fp32 and round once; the reference's
+    # SDPA in bf16/fp16 rounds its intermediate products on the way: 4 eps, as the CPU kernels.
+    if dtype == torch.float32:
+        return dict(rtol=1e-4, atol=1e-4)
+    eps = torch.finfo(dtype).eps
+    return dict(rtol=4 * eps, atol=4 * eps)
 
 
 # -- silu_and_mul ----------------------------------------------------------------------------
@@ -196,6 +217,117 @@ def test_write_kv_skips_tokens_without_a_slot():
     assert k_cache.isnan().sum() == k_cache.numel() - 2 * 3 * 64
 
 
+# -- paged decode ----------------------------------------------------------------------------
+
+DECODE_BATCHES = {name: CPU_DECODE_BATCHES[name] for name in ("1", "15", "16", "17", "1000+short")}
+# 14 sequences: the block edges of both block sizes, then 5 random lengths up to 300.
+DECODE_BATCHES["14seqs"] = CPU_DECODE_BATCHES["37seqs"][:14]
+DECODE_CASES = [
+    pytest.param(batch, block_size, *shape, torch.float32, id=f"{batch}-bs{block_size}-{shape_id}-fp32")
+    for batch in DECODE_BATCHES
+    for block_size in (16, 32)
+    for shape, shape_id in zip(ATTENTION_SHAPES, ATTENTION_IDS)
+    if batch != "1000+short" or shape_id != "4/4x24"
+] + [
+    pytest.param(batch, 16, 9, 3, 64, dtype, id=f"{batch}-bs16-9/3x64-{str(dtype)[6:]}")
+    for batch in ("17", "1000+short", "14seqs")
+    for dtype in HALF
+]
+
+
+def run_decode(lens, block_size, heads, kv_heads, head_dim, dtype, num_splits=None):
+    """(Triton's output, the reference's), checking the inputs are left as they were."""
+    cache = PagedCache(lens, block_size, kv_heads, head_dim, dtype, seed=len(lens) + block_size + heads)
+    q = query_slice(len(lens), heads, head_dim, dtype, seed=block_size + head_dim)
+    scale = 1.3 * head_dim**-0.5  # not 1/sqrt(d): the scale must be the one passed in
+    k_before, v_before, q_before = cache.k_cache.clone(), cache.v_cache.clone(), q.clone()
+    expected = paged_decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), scale)
+    out = paged_decode_triton(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, torch.tensor(lens, dtype=torch.int32), scale,
+        max_seq_len=max(lens), num_splits=num_splits, out=poisoned(q.shape, dtype),
+    )
+    assert same_bits(cache.k_cache, k_before) and same_bits(cache.v_cache, v_before) and same_bits(q, q_before)
+    assert out.isfinite().all(), "an output left unwritten, or a read outside a context"
+    return out, expected
+
+
+@pytest.mark.parametrize("batch, block_size, heads, kv_heads, head_dim, dtype", DECODE_CASES)
+def test_paged_decode(batch, block_size, heads, kv_heads, head_dim, dtype):
+    out, expected = run_decode(DECODE_BATCHES[batch], block_size, heads, kv_heads, head_dim, dtype)
+    torch.testing.assert_close(out, expected, **attention_tolerance(dtype))
+
+
+@pytest.mark.parametrize(
+    "num_splits, dtype", [(2, torch.float32), (3, torch.float32), (8, torch.float32), (32, torch.float32), (3, torch.bfloat16), (32, torch.float16)], ids=str
+)
+def test_paged_decode_split_across_programs(num_splits, dtype):
+    # 32 splits of the 1000-token context are 32 tokens each: the short sequences' later splits
+    # are empty and must weigh nothing.
+    out, expected = run_decode([1000, 1, 16, 33, 15], 16, 9, 3, 64, dtype, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, **attention_tolerance(dtype))
+
+
+def test_decode_splits_long_contexts_only_when_the_gpu_has_room():
+    h200 = 132  # multiprocessors; num_splits_for asks the device, here it is given
+    assert num_splits_for(2, 8, 4000, h200) == 15  # 16 programs on 132 SMs: 4000 // 256 splits
+    assert num_splits_for(1, 3, 32000, h200) == 32  # capped
+    assert num_splits_for(64, 8, 4000, h200) == 1  # 512 programs fill the GPU already
+    assert num_splits_for(2, 8, 200, h200) == 1  # too short to be worth a split
+    assert num_splits_for(2, 8, 4000, 1) == 1  # the interpreter's single "multiprocessor"
+
+
+# -- paged prefill and the mixed batch -------------------------------------------------------
+
+
+def mixed_batch(decodes, prefills, block_size, heads, kv_heads, head_dim, dtype, seed):
+    lens = decodes + [n for n, _ in prefills]
+    query_lens = [1] * len(decodes) + [lq for _, lq in prefills]
+    cache = PagedCache(lens, block_size, kv_heads, head_dim, dtype, seed=seed)
+    q = query_slice(sum(query_lens), heads, head_dim, dtype, seed=seed + 1)
+    return cache, q, cache.meta(query_lens, lens, len(decodes))
+
+
+MIXED_CASES = [
+    pytest.param(block_size, *shape, torch.float32, id=f"bs{block_size}-{shape_id}-fp32")
+    for block_size in (16, 32)
+    for shape, shape_id in zip(ATTENTION_SHAPES, ATTENTION_IDS)
+    if block_size == 16 or shape_id != "32/8x128"  # 32 heads cost 5 s a case interpreted
+] + [pytest.param(16, 9, 3, 64, dtype, id=f"bs16-9/3x64-{str(dtype)[6:]}") for dtype in HALF]
+
+
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim, dtype", MIXED_CASES)
+def test_paged_attention_of_a_mixed_batch(block_size, heads, kv_heads, head_dim, dtype):
+    # Decodes first, as the runner orders them, then prefill chunks: whole prompts, chunks after
+    # a cached prefix (ending on and just past block edges, longer than a 32-row tile), 1-token chunks.
+    decodes = [1, 16, 17, 15, 100]
+    prefills = [(1, 1), (15, 15), (16, 16), (17, 17), (40, 1), (100, 37), (33, 16), (64, 32), (100, 84)]
+    cache, q, meta = mixed_batch(decodes, prefills, block_size, heads, kv_heads, head_dim, dtype, seed=3 * block_size + heads)
+    expected = paged_attention_ref(q, cache.finite_k, cache.finite_v, meta, 0.37)
+
+    out = paged_attention_triton(q, cache.k_cache, cache.v_cache, meta, 0.37, out=poisoned(q.shape, dtype))
+
+    assert out.isfinite().all(), "an output left unwritten, or a read outside a context"
+    torch.testing.assert_close(out, expected, **attention_tolerance(dtype))
+
+
+@pytest.mark.parametrize(
+    "block_size, dtype", [(16, torch.float32), (32, torch.float32), (16, torch.bfloat16), (32, torch.float16)], ids=str
+)
+def test_paged_prefill_chunks_after_a_long_prefix(block_size, dtype):
+    # Prefills only, no decode rows: chunks of 7 and 40 after 993 and 960 cached tokens.
+    cache, q, meta = mixed_batch([], [(1000, 7), (1000, 40), (17, 17)], block_size, 9, 3, 64, dtype, seed=block_size)
+    expected = paged_attention_ref(q, cache.finite_k, cache.finite_v, meta, 0.125)
+    out = paged_prefill_triton(q, cache.k_cache, cache.v_cache, meta, 0.125, out=poisoned(q.shape, dtype))
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, **attention_tolerance(dtype))
+
+
+def test_paged_prefill_leaves_the_decode_rows_alone():
+    cache, q, meta = mixed_batch([5, 9], [(20, 20)], 16, 9, 3, 64, torch.float32, seed=5)
+    out = paged_prefill_triton(q, cache.k_cache, cache.v_cache, meta, 0.125, out=poisoned(q.shape, torch.float32))
+    assert out[:2].isnan().all() and out[2:].isfinite().all()
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 
@@ -210,22 +342,36 @@ def test_unsupported_inputs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="out must be"):
         silu_and_mul_triton(x, out=torch.empty(4, 8))
     cache = torch.zeros(4, 16, 3, 64)
+    with pytest.raises(ValueError, match="multiple of the caches' kv_heads"):
+        paged_decode_triton(torch.randn(2, 8, 64), cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 1.0, 1)
+    big = torch.zeros(4, 16, 1, 512)
+    with pytest.raises(ValueError, match="head_dim up to 256"):
+        paged_decode_triton(torch.randn(2, 1, 512), big, big, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 1.0, 1)
     with pytest.raises(ValueError, match="share strides"):
         write_kv_triton(torch.randn(1, 3, 64), torch.randn(1, 3, 64), cache, cache.transpose(0, 1).contiguous().transpose(0, 1), torch.tensor([0]))
 
 
-# -- the dispatcher ----------------------------------------------------------------------
+# -- the dispatcher and the model ------------------------------------------------------------
 
 
-def test_kernels_triton_resolves_the_ops_to_triton(monkeypatch):
+def test_kernels_triton_resolves_every_op_to_triton(monkeypatch):
     monkeypatch.setenv("KERNELS", "triton")
-    probe = torch.empty(0)
-    assert silu_and_mul_impl(probe) is silu_and_mul_triton
-    assert rms_norm_impl(probe) is rms_norm_triton and add_rms_norm_impl(probe) is add_rms_norm_triton
-    assert apply_rotary_impl(probe) is apply_rotary_triton
-    assert write_kv_impl(probe) is write_kv_triton
+    ops = kernels.ops_for(CPU, torch.float32)
+    assert ops.silu_and_mul is silu_and_mul_triton
+    assert ops.rms_norm is rms_norm_triton and ops.add_rms_norm is add_rms_norm_triton
+    assert ops.apply_rotary is apply_rotary_triton
+    assert ops.write_kv is write_kv_triton
+    assert ops.paged_attention is paged_attention_triton
     monkeypatch.setenv("KERNELS", "auto")  # CPU tensors: never Triton unless forced
-    assert silu_and_mul_impl(probe) is not silu_and_mul_triton
+    assert kernels.ops_for(CPU, torch.float32).paged_attention is not paged_attention_triton
+
+
+def test_engine_greedy_output_is_identical_with_triton_kernels(monkeypatch):
+    # The tiny 9/3-head model of the CPU kernels' parity test: mixed prompt lengths, prefills
+    # chunked by a 24-token budget alongside decodes, and a shared prefix served from the cache.
+    reference = greedy_tokens(monkeypatch, "reference", torch.float32)
+    triton_tokens = greedy_tokens(monkeypatch, "triton", torch.float32)
+    assert triton_tokens == reference
 
 
 def test_kernels_import_and_refuse_triton_clearly_where_it_is_not_installed():
@@ -250,12 +396,15 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     Triton cache, ~/.triton/cache; less once it holds them)."""
     with record_launches() as launches:
         for dtype in (torch.float32, torch.bfloat16):  # fp16 compiles as bf16 does
+            run_decode([40, 3], 16, 9, 3, 64, dtype, num_splits=2)
+            cache, q, meta = mixed_batch([5], [(40, 40)], 16, 9, 3, 64, dtype, seed=1)
+            paged_attention_triton(q, cache.k_cache, cache.v_cache, meta, 0.1)
             key, value = fused_kv(3, 3, 64, dtype, seed=2)
-            write_kv_triton(key, value, *poisoned((2, 1, 16, 3, 64), dtype), torch.tensor([0, 1, 2]))
+            write_kv_triton(key, value, cache.k_cache, cache.v_cache, torch.tensor([0, 1, 2]))
             x, residual, weight = norm_inputs(2, 576, dtype, seed=3)
             add_rms_norm_triton(x, residual, weight, 1e-5)
             rms_norm_triton(x, weight, 1e-5)
-            apply_rotary_triton(torch.randn(3, 9, 64).to(dtype), *rope(3, 64, seed=4))
+            apply_rotary_triton(q, *rope(q.shape[0], 64, seed=4))
             silu_and_mul_triton(torch.randn(2, 64).to(dtype))
     assert {launch["kernel"] for launch in launches.values()} == set(all_kernels())
     assert compile_launches(list(launches.values())) == []
