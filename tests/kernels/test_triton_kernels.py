@@ -15,8 +15,10 @@ engine must produce the same greedy tokens with KERNELS=triton and KERNELS=refer
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,3 +411,13 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     assert {launch["kernel"] for launch in launches.values()} == set(all_kernels())
     assert compile_launches(list(launches.values())) == []
 
+
+def test_the_gpu_kernel_check_runs_its_cpu_dry_run():
+    # bench/gpu_check.sh runs on lent GPU machines only: its kernel half must not rot meanwhile.
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_kernel_check.py", "--dry-run"], cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| paged_decode |" in done.stdout and "FAIL" not in done.stdout
