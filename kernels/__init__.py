@@ -1,4 +1,5 @@
-"""Hot-path operations of the engine, each with a PyTorch reference.
+"""Hot-path operations of the engine, each with a PyTorch reference and a Triton kernel
+(CUDA; CPU tensors under TRITON_INTERPRET=1), and some with a compiled CPU kernel.
 
 Every op can be called directly (`kernels.silu_and_mul(x)`, dispatched per call,
 which is what tests use) or resolved once for a device with `ops_for(device)`,

@@ -35,7 +35,9 @@ def _build_name() -> str:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    digest = hashlib.sha256(_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:12]
+    # And by the source's path: torch rebuilds a module whose build file names another source,
+    # so two checkouts on one machine would otherwise rebuild it back and forth (~25 s each).
+    digest = hashlib.sha256(_SOURCE.read_bytes() + cpu.encode() + str(_SOURCE).encode()).hexdigest()[:12]
     return f"llm_platform_cpu_{digest}"
 
 

