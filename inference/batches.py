@@ -162,8 +162,10 @@ def cancel(batch: Batch) -> Batch:
     """Stop sending new items now; running ones are aborted by their workers, which poll."""
     now = _now()
     with transaction.atomic():
-        moved = Batch.objects.filter(pk=batch.pk, status__in=[Status.VALIDATING, Status.IN_PROGRESS]).update(
-            status=Status.CANCELLING, cancelling_at=now, stop_reason="cancelled")
+        # A batch already expiring stays expired: it has stopped for a reason of its own.
+        moved = Batch.objects.filter(pk=batch.pk, status__in=[Status.VALIDATING, Status.IN_PROGRESS],
+                                     stop_reason="").update(status=Status.CANCELLING, cancelling_at=now,
+                                                            stop_reason="cancelled")
         if moved:
             _stop_queued(batch.pk, "cancelled", now)
     if moved:
@@ -247,8 +249,11 @@ def release(item: BatchItem, token: str, delay_s: float, counted: bool, error: d
         if mine.update(state=State.FAILED, error=exhausted, finished_at=now, claim=""):
             _after_item(item.batch_id)
         return
-    mine.update(state=State.QUEUED, claim="", not_before=now + timedelta(seconds=delay_s), error=error,
-                attempts=F("attempts") - (0 if counted else 1))
+    requeued = mine.filter(batch__stop_reason="").update(
+        state=State.QUEUED, claim="", not_before=now + timedelta(seconds=delay_s), error=error,
+        attempts=F("attempts") - (0 if counted else 1))
+    if not requeued:  # its batch was cancelled or expired meanwhile: nothing would ever run it
+        stop(item, token)
 
 
 def stop(item: BatchItem, token: str) -> None:
@@ -372,14 +377,16 @@ def sweep() -> dict[str, int]:
         return report
     report["resent"] = _forget_lost_messages(now, epoch)
     report["sent"] = sum(dispatch(batch_id, epoch) for batch_id in _active_batch_ids())
-    for batch_id in _active_batch_ids(include_stopping=True):
+    for batch_id, reason in Batch.objects.filter(status__in=[Status.IN_PROGRESS, Status.CANCELLING]).values_list(
+            "pk", "stop_reason"):
+        if reason:  # a queued item that slipped past the stop (handed back as it happened)
+            _stop_queued(batch_id, reason, now)
         finalize(batch_id)
     return report
 
 
-def _active_batch_ids(include_stopping: bool = False) -> list[str]:
-    statuses = [Status.IN_PROGRESS, Status.CANCELLING] if include_stopping else [Status.IN_PROGRESS]
-    return list(Batch.objects.filter(status__in=statuses).values_list("pk", flat=True))
+def _active_batch_ids() -> list[str]:
+    return list(Batch.objects.filter(status=Status.IN_PROGRESS).values_list("pk", flat=True))
 
 
 def _expire(now: datetime) -> int:
@@ -428,6 +435,11 @@ def _forget_lost_messages(now: datetime, epoch: str) -> int:
 def _refinalize_stuck(now: datetime) -> int:
     """A batch whose finalizer died between `finalizing` and its final status."""
     stuck = Batch.objects.filter(status=Status.FINALIZING, finalizing_at__lt=now - timedelta(seconds=60))
+    redone = 0
     for batch in stuck:
-        _write_results(batch, now)
-    return len(stuck)
+        # Take it over first, so that of two sweeps only one writes its files.
+        if Batch.objects.filter(pk=batch.pk, status=Status.FINALIZING, finalizing_at=batch.finalizing_at).update(
+                finalizing_at=now):
+            _write_results(batch, now)
+            redone += 1
+    return redone
