@@ -166,6 +166,7 @@ class _Step:
     """What one schedule() call has done so far."""
 
     budget: int
+    batch_prefill: int  # what is left of the step's prompt tokens for batch (P2) work
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -223,7 +224,8 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = self.clock() if now is None else now
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        cap = self.config.batch_prefill_tokens
+        step = _Step(budget=self.config.max_num_batched_tokens, batch_prefill=cap or self.config.max_num_batched_tokens)
         timed_out = self._expire_waiting(now)
         policy = self.policy
         self.running.sort(key=lambda s: policy.victim_key(s, now))
@@ -240,6 +242,8 @@ class Scheduler:
             for seq in candidates:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
+                if sitting_out and policy.yields_to(seq, head):
+                    break  # the step that admits the new arrival stays free of batch work
                 if seq.status is SequenceStatus.SWAPPED:
                     if not self._swap_in(seq, step):
                         break
@@ -300,10 +304,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             seq = self.running[i]
-            if seq in sitting_out:
+            num_new = self._chunk(seq, seq.num_computed_tokens, step)
+            if seq in sitting_out or num_new == 0:
                 i += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             while not bm.allocate(seq, num_new):
                 victim = self.running[-1]  # ranked worst by the policy, not yet scheduled
                 self._preempt(victim, step)
@@ -311,9 +315,23 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-                step.budget -= num_new
+                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, num_new))
                 i += 1
+
+    def _chunk(self, seq: Sequence, start: int, step: _Step) -> int:
+        """Tokens `seq` computes this step from `start`: its rest, within the step's budget
+        and, for batch work's prompt tokens, within what is left of their cap."""
+        num_new = min(seq.num_tokens - start, step.budget)
+        if seq.lane == BATCH_LANE and num_new > 1:
+            num_new = min(num_new, step.batch_prefill)
+        return num_new
+
+    @staticmethod
+    def _take(step: _Step, item: ScheduledSeq) -> None:
+        step.scheduled.append(item)
+        step.budget -= item.num_new_tokens
+        if item.seq.lane == BATCH_LANE and item.num_new_tokens > 1:
+            step.batch_prefill -= item.num_new_tokens
 
     def _preempt_for_better_lanes(self, now: float, step: _Step) -> None:
         """Let the best waiting request push out running work of a strictly worse lane."""
@@ -356,7 +374,9 @@ class Scheduler:
         if step.swaps >= self.config.max_swaps_per_step:
             return False
         bm = self.block_manager
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+        num_new = self._chunk(seq, seq.num_computed_tokens, step)
+        if num_new == 0:
+            return False
         # Room for the swapped blocks and this step's tokens, checked before anything moves.
         if bm.blocks_needed(seq.num_computed_tokens + num_new) > bm.num_free_blocks:
             return False
@@ -367,8 +387,7 @@ class Scheduler:
         self.swapped.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-        step.budget -= num_new
+        self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, num_new))
         return True
 
     def _admit(self, seq: Sequence, step: _Step) -> int | None:
@@ -376,8 +395,8 @@ class Scheduler:
         bm = self.block_manager
         prefix = bm.find_cached_prefix(seq)
         cached = prefix.num_tokens(bm.block_size)
-        num_new = min(seq.num_tokens - cached, step.budget)
-        if not bm.allocate(seq, num_new, prefix):
+        num_new = self._chunk(seq, cached, step)
+        if num_new == 0 or not bm.allocate(seq, num_new, prefix):
             return None
         self.waiting.remove(seq)
         seq.num_computed_tokens = cached
@@ -385,6 +404,5 @@ class Scheduler:
             seq.num_cached_tokens = cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        step.scheduled.append(ScheduledSeq(seq, cached, num_new))
-        step.budget -= num_new
+        self._take(step, ScheduledSeq(seq, cached, num_new))
         return cached

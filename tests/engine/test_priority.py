@@ -249,6 +249,37 @@ def test_running_batch_work_sits_out_the_step_that_admits_an_arriving_chat():
     assert engine.stats()["preemptions"] == 0
 
 
+def test_no_batch_work_is_admitted_in_the_step_that_admits_an_arriving_chat():
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=64)
+    engine.add_request("batch-0", [1, 2, 3], params(8), lane=2)
+    engine.step()
+    engine.add_request("batch-1", [4, 5, 6], params(8), lane=2)
+    engine.add_request("chat", [9, 9, 9], params(2), lane=0)
+    engine.step()
+    engine.step()
+    admitting, after = engine.runner.schedules[-2:]
+    assert _scheduled_ids(admitting) == ["chat"]
+    assert sorted(_scheduled_ids(after)) == ["batch-0", "batch-1", "chat"]
+
+
+def test_batch_prompts_are_prefilled_in_capped_chunks_and_others_are_not():
+    """A long batch prompt cannot make one step long: at most batch_prefill_tokens of batch
+    prompt per step (decodes are never capped); interactive prompts take the whole budget."""
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=256, batch_prefill_tokens=16, num_blocks=256)
+    batch = engine.add_request("batch", list(range(1, 41)), params(3), lane=2)
+    chat = engine.add_request("chat", [(7 * i) % 60 + 1 for i in range(40)], params(3), lane=1)
+    engine.step()
+    first = {item.seq.request_id: item.num_new_tokens for item in engine.runner.schedules[-1].scheduled}
+    assert first == {"chat": 40, "batch": 16}
+    outputs = run_to_completion(engine)
+    chunks = [item.num_new_tokens for sched in engine.runner.schedules for item in sched.scheduled
+              if item.seq.request_id == "batch"]
+    assert chunks == [16, 16, 8, 1, 1]
+    assert batch.output_token_ids == expected_output(list(range(1, 41)), 3)
+    assert chat.output_token_ids == expected_output([(7 * i) % 60 + 1 for i in range(40)], 3)
+    assert outputs["batch"][-1].finish_reason == "length"
+
+
 def test_batch_work_keeps_running_while_an_arriving_chat_cannot_get_in():
     """Sitting out only helps a request admitted in that very step. Two P2s that have aged
     to P0 fill the batch and may not be preempted by a new P0: they keep decoding."""
