@@ -387,7 +387,9 @@ class Generation:
                     choice.finish_reason = choice.finish_reason or final.finish_reason
             self.usage = self._usage()
             if self.choices:
-                await database_sync_to_async(self._bill)()
+                # Not on the one thread that admits requests (thread_sensitive): a burst of
+                # finishing requests writing usage rows would queue the next admissions behind them.
+                await database_sync_to_async(self._bill, thread_sensitive=False)()
             elif self._reserved:  # refused after the reservation (stream limit, engine, cancel): give it all back
                 await asyncio.to_thread(quota.settle_tokens, self.tenant, self._reserved, 0)
         except Exception:
