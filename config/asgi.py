@@ -8,11 +8,14 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 # Django must be set up before anything imports models.
 django_asgi_app = get_asgi_application()
 
+from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
 from config import daphne_hooks  # noqa: E402
+from console.routing import console_routes  # noqa: E402
 from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
@@ -30,6 +33,11 @@ application = EngineLifespan(ProtocolTypeRouter(
         # Streaming (SSE) routes first, each wrapped in the key middleware by
         # inference.routing; everything else is plain Django (DRF authenticates itself).
         "http": URLRouter([*http_routes, re_path(r"", django_asgi_app)]),
-        "websocket": ApiKeyAuthMiddleware(URLRouter(websocket_routes)),
+        # The operators' console socket authenticates by session cookie, which a browser does
+        # attach to another site's socket: it alone checks the Origin against ALLOWED_HOSTS.
+        "websocket": URLRouter([
+            re_path(r"^ws/console/", AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(console_routes)))),
+            re_path(r"", ApiKeyAuthMiddleware(URLRouter(websocket_routes))),
+        ]),
     }
 ))

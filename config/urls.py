@@ -26,6 +26,7 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", authentication_classes=[],
                                                      permission_classes=[], throttle_classes=[]), name="swagger-ui"),
     path("admin/", admin.site.urls),
+    path("console/", include("console.urls")),
 ]
 
 if settings.DEBUG:

@@ -1,0 +1,145 @@
+"""The operators' console: staff-only pages over tenants, batches, the engine and a playground.
+
+Views parse, call `tenants.actions` or `inference.batches`, and render; reads live in
+`console.queries`. Every page needs a staff session (`staff_member_required` sends anyone
+else to the admin's login), and every write is a POST under Django's CSRF check.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.contrib import messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.db import IntegrityError, transaction
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from console import queries
+from inference import batches as batch_actions
+from inference.models import Batch
+from tenants import actions
+from tenants.models import ApiKey, QuotaTier, Tenant
+
+PLAYGROUND_KEY_TTL = timedelta(hours=1)
+
+
+@staff_member_required
+@require_GET
+def engine(request: HttpRequest) -> HttpResponse:
+    return render(request, "console/engine.html", {"section": "engine"})
+
+
+@staff_member_required
+@require_http_methods(["GET", "POST"])
+def tenants(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST":
+        name = request.POST.get("name", "").strip()
+        tier = QuotaTier.objects.filter(pk=request.POST.get("tier") or None).first()
+        if not name or tier is None:
+            messages.error(request, "A tenant needs a name and a tier.")
+            return redirect("console:tenants")
+        try:
+            with transaction.atomic():  # a savepoint: the duplicate name's error must not poison the request
+                tenant = actions.create_tenant(name, tier)
+        except IntegrityError:
+            messages.error(request, f"A tenant named {name!r} exists already.")
+            return redirect("console:tenants")
+        messages.success(request, f"Tenant {tenant.name} created.")
+        return redirect("console:tenant", pk=tenant.pk)
+    used = queries.tokens_this_month()
+    rows = [{"tenant": t, "used": used.get(t.pk, 0), "limits": queries.limits_state(t),
+             "used_pct": min(100, round(100 * used.get(t.pk, 0) / t.tier.monthly_token_budget))
+             if t.tier.monthly_token_budget else 100}
+            for t in Tenant.objects.select_related("tier")]
+    return render(request, "console/tenants.html",
+                  {"section": "tenants", "rows": rows, "tiers": QuotaTier.objects.all()})
+
+
+def _tenant_page(request: HttpRequest, tenant: Tenant, issued: actions.IssuedKey | None = None) -> HttpResponse:
+    by_day = queries.usage_by_day(tenant)
+    by_lane = queries.usage_by_lane(tenant)
+    response = render(request, "console/tenant_detail.html", {
+        "section": "tenants",
+        "tenant": tenant,
+        "used": queries.tokens_this_month().get(tenant.pk, 0),
+        "limits": queries.limits_state(tenant),
+        "day_bars": queries.bars(by_day),
+        "lane_bars": queries.bars(by_lane, width=240),
+        "keys": tenant.api_keys.all(),
+        "tiers": QuotaTier.objects.all(),
+        "issued": issued,
+        "now": timezone.now(),
+    })
+    # A new key's secret is in this response only: never cached, never in the session or a message.
+    add_never_cache_headers(response)
+    return response
+
+
+@staff_member_required
+@require_GET
+def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    return _tenant_page(request, get_object_or_404(Tenant.objects.select_related("tier"), pk=pk))
+
+
+@staff_member_required
+@require_POST
+def issue_key(request: HttpRequest, pk: int) -> HttpResponse:
+    tenant = get_object_or_404(Tenant.objects.select_related("tier"), pk=pk)
+    issued = actions.issue_key(tenant, name=request.POST.get("name", "").strip()[:128])
+    return _tenant_page(request, tenant, issued)
+
+
+@staff_member_required
+@require_POST
+def revoke_key(request: HttpRequest, pk: int, key_pk: int) -> HttpResponse:
+    api_key = get_object_or_404(ApiKey, pk=key_pk, tenant_id=pk)
+    actions.revoke_key(api_key)
+    messages.success(request, f"Key sk-{api_key.prefix}_… revoked.")
+    return redirect("console:tenant", pk=pk)
+
+
+@staff_member_required
+@require_POST
+def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
+    tenant = get_object_or_404(Tenant, pk=pk)
+    tier = get_object_or_404(QuotaTier, pk=request.POST.get("tier") or None)
+    actions.change_tier(tenant, tier)
+    messages.success(request, f"{tenant.name} is now on tier {tier.name}.")
+    return redirect("console:tenant", pk=pk)
+
+
+@staff_member_required
+@require_GET
+def batches(request: HttpRequest) -> HttpResponse:
+    rows = queries.batch_rows()
+    active = any(row["batch"].status in Batch.ACTIVE or row["batch"].status == Batch.Status.VALIDATING for row in rows)
+    return render(request, "console/batches.html", {"section": "batches", "rows": rows, "active": active})
+
+
+@staff_member_required
+@require_POST
+def cancel_batch(request: HttpRequest, batch_id: str) -> HttpResponse:
+    batch = batch_actions.cancel(get_object_or_404(Batch, pk=batch_id))
+    messages.success(request, f"Batch {batch.id} is {batch.status}.")
+    return redirect("console:batches")
+
+
+@staff_member_required
+@never_cache
+@require_http_methods(["GET", "POST"])
+def playground(request: HttpRequest) -> HttpResponse:
+    """GET picks a tenant; POST issues that tenant a key valid for an hour, named after the
+    operator, and hands it to the page, whose script calls the public streaming API with it."""
+    context = {"section": "playground", "tenants": Tenant.objects.filter(is_active=True).select_related("tier")}
+    if request.method == "POST":
+        tenant = get_object_or_404(Tenant.objects.select_related("tier"), pk=request.POST.get("tenant") or None,
+                                   is_active=True)
+        context["tenant"] = tenant
+        context["issued"] = actions.issue_key(tenant, name=f"console playground ({request.user.get_username()})"[:128],
+                                              expires=timezone.now() + PLAYGROUND_KEY_TTL)
+        context["max_tokens"] = min(128, tenant.tier.max_tokens_per_request)
+    return render(request, "console/playground.html", context)
