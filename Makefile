@@ -10,6 +10,9 @@ run: venv
 	$(VENV)/bin/python platform/run.py
 
 test: venv
+	@# The console's browser tests drive Debian's chromium; as root, install it when missing.
+	test -x /usr/bin/chromium || (test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "tests/console needs Debian's chromium at /usr/bin/chromium: apt-get install chromium"
 	$(VENV)/bin/python -m pytest
 
 venv: $(STAMP)

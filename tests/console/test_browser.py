@@ -1,0 +1,364 @@
+"""The console in headless Chromium against a live platform (daphne with the real model,
+its own Redis and database, and a Celery worker for the batch test).
+
+Needs Debian's `chromium` at /usr/bin/chromium and the `playwright` Python package
+(requirements-dev.txt; `make test` installs both where it can). Playwright drives that
+browser; its own browser downloads are never used. Screenshots of each page land in
+tests/artifacts/console/ (the README's come from there, copied to docs/screenshots/).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.urls import reverse
+from openai import OpenAI
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from console.urls import urlpatterns
+from tests.batches.conftest import WORKER_ENV, Worker, chat_lines, wait_for
+from tests.live import ROOT, LiveServer, start_live_server
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+# Without the networking flags Chromium keeps calling home, which a closed network turns into noise and delay.
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = ROOT / "tests" / "artifacts" / "console"
+TIMEOUT_MS = 120_000  # a generous bound on waits for the model: the 2-core machine may be busy with other tests
+
+BIG = {"requests_per_minute": 100_000, "tokens_per_minute": 50_000_000, "concurrent_streams": 1000,
+       "max_tokens_per_request": 512, "monthly_token_budget": 10**12}
+TIERS = {"console-p1": {"lane": 1, **BIG}, "console-batch": {"lane": 2, **BIG, "allow_batch": True}}
+TENANTS = {"load": "console-p1", "batcher": "console-batch"}
+STAFF, MEMBER, PASSWORD = "operator", "member", "console-test-password-1"
+
+USERS_SCRIPT = f"""
+from django.contrib.auth.models import User
+from django.test import Client
+User.objects.create_user({STAFF!r}, password={PASSWORD!r}, is_staff=True)
+member = User.objects.create_user({MEMBER!r}, password={PASSWORD!r})
+client = Client()
+client.force_login(member)  # a session of a signed-in user who is not staff
+result = {{"member_session": client.cookies["sessionid"].value}}
+"""
+
+
+def require_browser() -> None:
+    """Fail (never skip) with what to install when the browser or its driver is missing."""
+    missing = []
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing.append("the Python package playwright==1.65.2 (.venv/bin/pip install -r requirements-dev.txt)")
+    if not os.access(CHROMIUM, os.X_OK):
+        missing.append(f"Debian's chromium at {CHROMIUM} (apt-get install chromium; `make test` does it as root)")
+    if missing:
+        pytest.fail("the console's browser tests need " + " and ".join(missing), pytrace=False)
+
+
+@dataclass
+class Platform:
+    server: LiveServer
+    tmp: Path
+    member_session: str
+    worker: Worker | None = None
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    require_browser()
+    tmp = tmp_path_factory.mktemp("console")
+    server, stop = start_live_server(tmp, TIERS, TENANTS)
+    platform = Platform(server, tmp, server.django(USERS_SCRIPT)["member_session"])
+    try:
+        yield platform
+    finally:
+        if platform.worker is not None:
+            platform.worker.stop()
+        stop()
+
+
+@pytest.fixture(scope="module")
+def browser(platform: Platform):
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def log_in(page, url: str) -> None:
+    page.goto(url + "/admin/login/?next=/console/")
+    page.fill("#id_username", STAFF)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url(re.compile(r"/console/engine/$"))
+
+
+@pytest.fixture
+def page(browser, platform: Platform):
+    """A signed-in staff member's page, in a context of its own."""
+    context = browser.new_context(base_url=platform.server.url, viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    log_in(page, platform.server.url)
+    yield page
+    context.close()
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_staff_log_in_through_the_admin_login_and_land_on_the_console(browser, platform: Platform):
+    from playwright.sync_api import expect
+
+    context = browser.new_context(base_url=platform.server.url)
+    page = context.new_page()
+    page.goto("/console/tenants/")
+    expect(page).to_have_url(re.compile(r"/admin/login/\?next=/console/tenants/$"))
+    page.fill("#id_username", STAFF)
+    page.fill("#id_password", PASSWORD)
+    shot(page, "login")
+    page.click("input[type=submit]")
+    expect(page).to_have_url(re.compile(r"/console/tenants/$"))
+    expect(page.locator("header")).to_contain_text(STAFF)
+    context.close()
+
+
+def test_a_new_tenant_and_key_the_secret_shown_exactly_once(page, platform: Platform):
+    from playwright.sync_api import expect
+
+    page.goto("/console/tenants/")
+    page.fill("#new-tenant input[name=name]", "initech")
+    page.select_option("#new-tenant select[name=tier]", label="console-p1 (P1)")
+    page.click("#new-tenant button")
+    expect(page.locator("h1")).to_contain_text("initech")
+    detail_url = page.url
+    expect(page.locator("#keys")).to_contain_text("No keys.")
+
+    page.fill("#issue-key input[name=name]", "ci")
+    page.click("#issue-key button")
+    secret = page.locator("#issued-key").inner_text()
+    assert re.fullmatch(r"sk-[A-Za-z0-9]+_[A-Za-z0-9_-]+", secret), secret
+    prefix = secret.split("_", 1)[0]
+    expect(page.locator("#keys")).to_contain_text(f"{prefix}_…")
+    shot(page, "tenant-key-issued")
+    request = urllib.request.Request(platform.server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200  # the secret shown is a working key
+
+    page.goto(detail_url)  # coming back: the key is listed by its prefix, its secret is gone
+    expect(page.locator("#keys")).to_contain_text(f"{prefix}_…")
+    expect(page.locator("#issued-key")).to_have_count(0)
+    assert secret not in page.content()
+    shot(page, "tenant")
+
+    page.goto("/console/tenants/")
+    row = page.locator("#tenants tr", has_text="initech")
+    expect(row).to_contain_text("console-p1")
+    expect(row).to_contain_text("P1")
+    assert secret not in page.content()
+    shot(page, "tenants")
+
+
+def test_the_playground_streams_a_chat_through_the_public_api(page):
+    from playwright.sync_api import expect
+
+    page.goto("/console/playground/")
+    page.select_option("#pick-tenant select[name=tenant]", label="load (console-p1, P1)")
+    page.click("#pick-tenant button")
+    page.fill("#max-tokens", "32")
+    page.fill("#prompt", "Write a short story about a lighthouse keeper and a storm.")
+    page.click("#send")
+    # Tokens arrive while the request still runs: text on the page before it has finished.
+    page.wait_for_function("document.getElementById('reply') && document.getElementById('reply').textContent.length > 0"
+                           " && document.getElementById('finish').textContent === '–'")
+    partial = page.locator("#reply").inner_text()
+    expect(page.locator("#ttft")).to_have_text(re.compile(r"^\d+ ms$"))
+    expect(page.locator("#finish")).not_to_have_text("–")
+    expect(page.locator("#finish")).to_have_text(re.compile("stop|length"))
+    final = page.locator("#reply").inner_text()
+    assert len(final) > len(partial) and final.startswith(partial.rstrip())
+    assert int(page.locator("#token-count").inner_text()) > 1
+    assert float(page.locator("#tokens-per-s").inner_text()) > 0
+    shot(page, "playground")
+
+
+def run_requests(server: LiveServer, n: int, max_tokens: int) -> threading.Thread:
+    """`n` chat requests of tenant `load` at once, in the background."""
+    client = OpenAI(base_url=server.url + "/v1", api_key=server.keys["load"], max_retries=0, timeout=120)
+
+    def one(i: int) -> None:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=max_tokens,
+                                       messages=[{"role": "user", "content": f"List {i + 5} colours, one per line."}])
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+
+    def run() -> None:
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    return runner
+
+
+def test_the_engine_page_shows_the_counters_move_while_requests_run(page, platform: Platform):
+    from playwright.sync_api import expect
+
+    page.goto("/console/engine/")
+    expect(page.locator("#engine-state")).to_have_text("ready")
+    expect(page.locator("#finished-requests")).not_to_have_text("–")
+    finished_before = int(page.locator("#finished-requests").inner_text())
+    generated_before = int(page.locator("#generated-tokens").inner_text())
+
+    runner = run_requests(platform.server, n=4, max_tokens=32)
+    try:
+        # Lane P1 shows requests running, then the counters move past what they were.
+        page.wait_for_function("Number(document.querySelector('#lane-1 td[data-field=running]').textContent) > 0")
+        page.wait_for_function(f"Number(document.getElementById('generated-tokens').textContent) > {generated_before}")
+        shot(page, "engine-busy")
+    finally:
+        runner.join(timeout=TIMEOUT_MS / 1000)
+    page.wait_for_function(f"Number(document.getElementById('finished-requests').textContent) >= {finished_before + 4}")
+    expect(page.locator("#lane-1 td[data-field=running]")).to_have_text("0")
+    # The finished requests' latencies appear for their lane.
+    expect(page.locator("#lane-1 td[data-field=ttft_p50_ms]")).to_have_text(re.compile(r"^\d+ ms$"))
+    expect(page.locator("#lane-1 td[data-field=itl_p99_ms]")).to_have_text(re.compile(r"^\d+ ms$"))
+    assert float(page.locator("#tokens-per-s").inner_text()) >= 0
+    shot(page, "engine")
+
+    # The requests are billed to their tenant: its page charts them in lane P1 today.
+    page.goto("/console/tenants/")
+    page.click("#tenants a:text-is('load')")
+    tenant_url = page.url
+
+    def p1_usage_charted() -> bool:
+        page.goto(tenant_url)
+        bars = page.locator("svg[aria-label='Tokens by lane'] title").all_text_contents()
+        return any(re.fullmatch(r"P1: [1-9]\d* tokens", bar) for bar in bars)
+
+    wait_for(p1_usage_charted, timeout=TIMEOUT_MS / 1000, what="tenant load's usage in lane P1")
+    shot(page, "tenant-usage")
+
+
+def test_a_running_batch_is_cancelled_from_the_batches_page(page, platform: Platform):
+    from playwright.sync_api import expect
+
+    server = platform.server
+    platform.worker = Worker({**server.env, **WORKER_ENV, "BATCH_WORKER_CONCURRENCY": "4",
+                              "BATCH_ENGINE_URL": server.url}, platform.tmp / "worker.log").start()
+    client = OpenAI(base_url=server.url + "/v1", api_key=server.keys["batcher"], max_retries=0, timeout=60)
+    upload = client.files.create(file=("long.jsonl", chat_lines(24, max_tokens=256).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    row = page.locator(f"tr[id='{batch.id}']")
+
+    def items_running() -> bool:
+        page.goto("/console/batches/")
+        return row.locator(".state.running").count() > 0
+
+    wait_for(items_running, timeout=90, interval=0.5, what="the batch's items to run (worker log: worker.log)")
+    expect(row.locator(".status")).to_have_text("in_progress")
+    expect(row.locator("progress")).to_have_attribute("max", "24")
+    shot(page, "batches-running")
+    row.locator("button", has_text="Cancel").click()
+    expect(page.locator(".messages")).to_contain_text(re.compile(f"{batch.id} is cancel(ling|led)"))
+    expect(row.locator(".status")).to_have_text(re.compile(r"^cancel(ling|led)$"))
+    # Queued items stop at once, running ones when their workers see the cancel; then it is final.
+    expect(row.locator(".status")).to_have_text("cancelled")
+    expect(row.locator(".states")).to_contain_text("cancelled")
+    expect(row.locator("button", has_text="Cancel")).to_have_count(0)
+    assert client.batches.retrieve(batch.id).status == "cancelled"
+    shot(page, "batches")
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def console_urls(server: LiveServer) -> list[str]:
+    ids = server.django("""
+from tenants.models import ApiKey
+key = ApiKey.objects.filter(tenant__name="load").first()
+result = {"pk": key.tenant_id, "key_pk": key.pk}
+""")
+    values = {**ids, "batch_id": "batch_0123456789abcdef01234567"}
+    return [reverse(f"console:{p.name}", kwargs={name: values[name] for name in p.pattern.converters})
+            for p in urlpatterns]
+
+
+def status_of(url: str, method: str, cookie: str | None) -> tuple[int, str]:
+    request = urllib.request.Request(url, method=method, data=b"name=x&tier=1" if method == "POST" else None,
+                                     headers={"Cookie": cookie} if cookie else {})
+    try:
+        with urllib.request.build_opener(_NoRedirects).open(request, timeout=10) as response:
+            return response.status, ""
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("Location", "")
+
+
+def socket_close_code(server: LiveServer, cookie: str | None, origin: str) -> int:
+    headers = {"Origin": origin, **({"Cookie": cookie} if cookie else {})}
+    with connect(server.ws_url + "/ws/console/engine", additional_headers=headers, open_timeout=10) as ws:
+        try:
+            ws.recv(timeout=10)
+        except ConnectionClosed as closed:
+            return closed.rcvd.code
+    raise AssertionError("the socket sent a snapshot")
+
+
+def test_non_staff_and_anonymous_visitors_get_the_login_or_403_on_every_page_and_socket(browser, platform: Platform):
+    server = platform.server
+    member_cookie = f"sessionid={platform.member_session}"
+    for cookie, who in ((None, "anonymous"), (member_cookie, "non-staff")):
+        for path in console_urls(server):
+            for method in ("GET", "POST"):
+                status, location = status_of(server.url + path, method, cookie)
+                if path == "/console/" and method == "GET":
+                    assert (status, location) == (302, "/console/engine/")  # then the login, as below
+                    continue
+                # A POST without a CSRF token is refused (403) before the view's login redirect.
+                assert status == 403 or (status == 302 and location.startswith("/admin/login/?next=")), \
+                    (who, method, path, status, location)
+        assert socket_close_code(server, cookie, origin=server.url) == 4403, who
+
+    # The browser tells the same story: a member's session lands on the login page.
+    context = browser.new_context(base_url=server.url)
+    context.add_cookies([{"name": "sessionid", "value": platform.member_session, "url": server.url}])
+    page = context.new_page()
+    page.goto("/console/engine/")
+    assert "/admin/login/" in page.url
+    context.close()
+
+    # Staff get snapshots; another site's page cannot open the socket with a staff member's cookie.
+    staff = browser.new_context(base_url=server.url)
+    log_in(staff.new_page(), server.url)
+    staff_cookie = "; ".join(f"{c['name']}={c['value']}" for c in staff.cookies())
+    staff.close()
+    with connect(server.ws_url + "/ws/console/engine", open_timeout=10,
+                 additional_headers={"Origin": server.url, "Cookie": staff_cookie}) as ws:
+        snapshot = json.loads(ws.recv(timeout=10))
+        assert snapshot["ready"] is True and snapshot["kv_blocks_total"] > 0 and set(snapshot["latency"]) == {"0", "1", "2"}
+    with pytest.raises(InvalidStatus) as refused:
+        connect(server.ws_url + "/ws/console/engine", open_timeout=10,
+                additional_headers={"Origin": "http://evil.example", "Cookie": staff_cookie})
+    assert refused.value.response.status_code == 403
