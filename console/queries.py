@@ -43,11 +43,8 @@ class LimitsState:
 def limits_state(tenant: Tenant) -> LimitsState | None:
     """What is left of the tenant's per-minute buckets and how many streams it holds now;
     None when Redis does not answer. A cost of 0 reads the buckets without charging them."""
-    tier, scope = tenant.tier, f"tenant:{tenant.pk}"  # the scope tenants.quota keys its limits by
     try:
-        decision = quota.limiter().admit(scope, quota.MINUTE_S, {"requests": (tier.requests_per_minute, 0),
-                                                                 "tokens": (tier.tokens_per_minute, 0)})
-        streams = quota.limiter().leases_held(scope, "streams")
+        decision, streams = quota.minute_state(tenant)
     except redis.RedisError as exc:
         log.warning("console: limits of tenant %s unreadable: %s", tenant.pk, exc)
         return None

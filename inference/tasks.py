@@ -15,7 +15,7 @@ from inference import batch_worker, batches
 _sweep_stop = threading.Event()
 
 
-@shared_task(name="inference.ping")
+@shared_task(name="inference.ping", ignore_result=False)  # its caller waits for the answer
 def ping() -> str:
     """Proves a worker is consuming the queue (used by tests and operators' tools)."""
     return "pong"

@@ -81,7 +81,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{os.environ['PORT']}"
     print(
         f"\n{login}\nServing on {base}/ (Ctrl-C stops everything). The model loads in the background: "
-        f"{base}/readyz turns 200 when it is ready.\nAPI docs: {base}/api/docs/ . Create a tenant and its key with: "
+        f"{base}/readyz turns 200 when it is ready.\nConsole: {base}/console/ . API docs: {base}/api/docs/ . Create a tenant and its key with: "
         f".venv/bin/python manage.py create_tenant NAME --tier standard\n",
         flush=True,
     )

@@ -47,6 +47,15 @@ def admit_request(tenant: Tenant) -> Decision:
     return decision
 
 
+def minute_state(tenant: Tenant) -> tuple[Decision, int]:
+    """What is left of the tenant's requests/min and tokens/min buckets (read at cost 0,
+    charging nothing) and how many stream leases it holds now. Raises RedisError."""
+    tier = tenant.tier
+    decision = limiter().admit(_scope(tenant), MINUTE_S, {"requests": (tier.requests_per_minute, 0),
+                                                          "tokens": (tier.tokens_per_minute, 0)})
+    return decision, limiter().leases_held(_scope(tenant), "streams")
+
+
 def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int, choices: int = 1) -> Decision:
     """Admit a generation of up to `prompt_tokens + max_tokens * choices` tokens.
 

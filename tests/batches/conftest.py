@@ -30,9 +30,11 @@ TENANTS = {"acme": "batch-p2", "globex": "batch-p2", "initech": "batch-p0", "hoo
            "recover": "batch-p2"}
 
 # Recovery in seconds, not minutes: a worker that stops heartbeating loses its items after
-# 4 s; every worker sweeps twice a second.
+# 10 s (it heartbeats every 2.5 s; a shorter lease let a live worker on a saturated CI box
+# lose items it was still running, and the engine ran them twice); every worker sweeps
+# twice a second.
 WORKER_ENV = {
-    "BATCH_ITEM_LEASE_S": "4",
+    "BATCH_ITEM_LEASE_S": "10",
     "BATCH_SWEEP_INTERVAL_S": "0.5",
     "BATCH_DISPATCH_STALE_S": "30",
     "BATCH_RETRY_BASE_S": "0.5",
@@ -122,7 +124,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("batches")
     redis_proc, redis_url = start_redis(tmp)
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    server, stop_server = start_live_server(tmp, TIERS, TENANTS, {"BATCH_ITEM_LEASE_S": "4"}, redis_url=redis_url)
+    server, stop_server = start_live_server(tmp, TIERS, TENANTS, {"BATCH_ITEM_LEASE_S": WORKER_ENV["BATCH_ITEM_LEASE_S"]},
+                                          redis_url=redis_url)
     stack = Stack(server, tmp, port, redis_proc)
     try:
         yield stack
