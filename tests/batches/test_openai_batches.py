@@ -36,7 +36,8 @@ def test_a_200_line_batch_completes_with_one_chat_completion_per_custom_id(stack
 
     usage = stack.server.django(f"""
 from tenants.models import UsageRecord
-rows = UsageRecord.objects.filter(tenant_id={stack.server.tenant_ids['acme']}, request_id__startswith="batchreq-")
+rows = UsageRecord.objects.filter(tenant_id={stack.server.tenant_ids['acme']},
+                                  request_id__startswith="batchreq-{batch.id.removeprefix('batch_')}-")
 result = [sorted(set(rows.values_list("lane", flat=True))), rows.count()]
 """)
     assert usage == [[2], 200]
