@@ -242,7 +242,6 @@ def test_the_engine_page_shows_the_counters_move_while_requests_run(page, platfo
     # The finished requests' latencies appear for their lane.
     expect(page.locator("#lane-1 td[data-field=ttft_p50_ms]")).to_have_text(re.compile(r"^\d+ ms$"))
     expect(page.locator("#lane-1 td[data-field=itl_p99_ms]")).to_have_text(re.compile(r"^\d+ ms$"))
-    assert float(page.locator("#tokens-per-s").inner_text()) >= 0
     shot(page, "engine")
 
     # The requests are billed to their tenant: its page charts them in lane P1 today.
