@@ -133,13 +133,16 @@ def cancel_batch(request: HttpRequest, batch_id: str) -> HttpResponse:
 @require_http_methods(["GET", "POST"])
 def playground(request: HttpRequest) -> HttpResponse:
     """GET picks a tenant; POST issues that tenant a key valid for an hour, named after the
-    operator, and hands it to the page, whose script calls the public streaming API with it."""
+    operator, and hands it to the page, whose script calls the public streaming API with it.
+    The operator's earlier playground keys for that tenant are revoked: one live key each."""
     context = {"section": "playground", "tenants": Tenant.objects.filter(is_active=True).select_related("tier")}
     if request.method == "POST":
         tenant = get_object_or_404(Tenant.objects.select_related("tier"), pk=request.POST.get("tenant") or None,
                                    is_active=True)
+        name = f"console playground ({request.user.get_username()})"[:128]
+        for earlier in ApiKey.objects.filter(tenant=tenant, name=name, revoked__isnull=True):
+            actions.revoke_key(earlier)
         context["tenant"] = tenant
-        context["issued"] = actions.issue_key(tenant, name=f"console playground ({request.user.get_username()})"[:128],
-                                              expires=timezone.now() + PLAYGROUND_KEY_TTL)
+        context["issued"] = actions.issue_key(tenant, name=name, expires=timezone.now() + PLAYGROUND_KEY_TTL)
         context["max_tokens"] = min(128, tenant.tier.max_tokens_per_request)
     return render(request, "console/playground.html", context)

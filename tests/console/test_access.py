@@ -123,3 +123,10 @@ def test_the_playground_key_is_the_operators_and_expires_within_the_hour(admin_c
     assert api_key.name == f"console playground ({admin_user.username})"
     assert timezone.now() < api_key.expires <= timezone.now() + timedelta(hours=1)
     assert re.search(rf'data-key="sk-{api_key.prefix}_[^"]+"', response.content.decode())
+
+
+def test_a_new_playground_key_revokes_the_operators_earlier_one(admin_client, tenant):
+    admin_client.post(reverse("console:playground"), {"tenant": tenant.pk})
+    admin_client.post(reverse("console:playground"), {"tenant": tenant.pk})
+    keys = list(ApiKey.objects.filter(tenant=tenant).order_by("created", "pk"))
+    assert len(keys) == 2 and keys[0].revoked is not None and keys[1].revoked is None
