@@ -153,7 +153,7 @@ def _transport_error(exc: Exception) -> dict:
 def _settle(item: BatchItem, token: str, answer: Answer) -> str:
     """Store a final answer, or put the item back for a later attempt."""
     code = _error_code(answer)
-    if answer.status_code == 429 and code == "lane_full" or answer.status_code == 503:
+    if (answer.status_code, code) == (429, "lane_full") or answer.status_code == 503:
         # Engine back-pressure or a platform dependency away: retry later, never drop.
         delay = max(answer.retry_after_s or 0, batches.backoff_s(1))
         batches.release(item, token, delay, counted=False, error=answer.body.get("error"))

@@ -13,13 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from channels.db import database_sync_to_async
-from django.conf import settings
-from django.utils.crypto import constant_time_compare
 
 from inference.consumers import OpenAIConsumer
-from tenants.authentication import bearer_token
+from tenants.authentication import is_service_token
 from tenants.errors import ApiError
-from tenants.middleware import Scope, _header, _refuse
+from tenants.middleware import Scope, refuse, scope_header
 from tenants.models import Lane, Tenant
 
 MAX_REQUEST_ID = 64
@@ -38,17 +36,15 @@ class ServiceTokenMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        expected = settings.INTERNAL_API_TOKEN
-        token = bearer_token(_header(scope, b"authorization"))
-        if not expected or token is None or not constant_time_compare(token, expected):
+        if not is_service_token(scope_header(scope, b"authorization")):
             error = ApiError(401, "Internal endpoints need 'Authorization: Bearer <INTERNAL_API_TOKEN>'.",
                              code="invalid_service_token", headers={"WWW-Authenticate": "Bearer"})
-            return await _refuse(scope, receive, send, error)
-        tenant = await database_sync_to_async(_tenant)(_header(scope, b"x-tenant-id") or "")
+            return await refuse(scope, receive, send, error)
+        tenant = await database_sync_to_async(_tenant)(scope_header(scope, b"x-tenant-id") or "")
         if tenant is None:
             error = ApiError(404, "No active tenant with the id in X-Tenant-Id.", code="tenant_not_found",
                              param="X-Tenant-Id")
-            return await _refuse(scope, receive, send, error)
+            return await refuse(scope, receive, send, error)
         return await self.app({**scope, "tenant": tenant, "api_key": None, "rate_limit": None}, receive, send)
 
 

@@ -5,15 +5,13 @@
 """
 from __future__ import annotations
 
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.utils.crypto import constant_time_compare
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from inference.host import EngineUnavailable, host
-from tenants.authentication import bearer_token
+from tenants.authentication import is_service_token
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
@@ -21,9 +19,7 @@ LANES = (0, 1, 2)  # as the engine's stats name them: "P0", "P1", "P2"
 
 
 def _has_internal_token(request: HttpRequest) -> bool:
-    token = bearer_token(request.META.get("HTTP_AUTHORIZATION"))
-    expected = settings.INTERNAL_API_TOKEN
-    return bool(token and expected and constant_time_compare(token, expected))
+    return is_service_token(request.META.get("HTTP_AUTHORIZATION"))
 
 
 def _is_loopback(request: HttpRequest) -> bool:

@@ -3,7 +3,9 @@
 `authenticate_bearer` is the whole policy; `ApiKeyAuthentication` (DRF) and
 `tenants.middleware.ApiKeyAuthMiddleware` (Channels) only adapt it to their request types.
 """
+from django.conf import settings
 from django.utils import timezone
+from django.utils.crypto import constant_time_compare
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.request import Request
 
@@ -23,6 +25,14 @@ def bearer_token(header: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def is_service_token(header: str | None) -> bool:
+    """Whether an Authorization header carries the platform's service token
+    (INTERNAL_API_TOKEN): operators' tools and batch workers. Never true while it is unset."""
+    token = bearer_token(header)
+    expected = settings.INTERNAL_API_TOKEN
+    return bool(token and expected and constant_time_compare(token, expected))
 
 
 def authenticate_bearer(header: str | None) -> ApiKey:

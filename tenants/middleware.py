@@ -21,7 +21,7 @@ from tenants.models import ApiKey
 Scope = dict[str, Any]
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def scope_header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
             return value.decode("latin-1")
@@ -40,7 +40,7 @@ class ApiKeyAuthMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        header = _header(scope, b"authorization")
+        header = scope_header(scope, b"authorization")
         if header is None and scope["type"] == "websocket":
             # Browsers cannot set headers on a WebSocket: the consumer takes the key from
             # the first message instead (scope["tenant"] is None until it does).
@@ -48,14 +48,14 @@ class ApiKeyAuthMiddleware:
         try:
             api_key, decision = await database_sync_to_async(_authenticate_and_admit)(header)
         except errors.ApiError as error:
-            return await _refuse(scope, receive, send, error)
+            return await refuse(scope, receive, send, error)
         except redis.RedisError as exc:
-            return await _refuse(scope, receive, send, errors.limits_unavailable(exc))
+            return await refuse(scope, receive, send, errors.limits_unavailable(exc))
         scope = {**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision}
         return await self.app(scope, receive, send)
 
 
-async def _refuse(scope: Scope, receive: Any, send: Any, error: errors.ApiError) -> None:
+async def refuse(scope: Scope, receive: Any, send: Any, error: errors.ApiError) -> None:
     body = json.dumps(error.body()).encode()
     if scope["type"] == "http":
         headers = [(b"content-type", b"application/json")]

@@ -16,7 +16,7 @@ from django.utils import timezone
 from config import redis as shared_redis
 from tenants import errors
 from tenants.limits import Decision, Lease, Limiter
-from tenants.models import Tenant, UsageRecord
+from tenants.models import QuotaTier, Tenant, UsageRecord
 
 MINUTE_S = 60.0
 
@@ -34,14 +34,16 @@ def _scope(tenant: Tenant) -> str:
     return f"tenant:{tenant.pk}"
 
 
+def _minute_buckets(tenant: Tenant, requests: int) -> Decision:
+    """Charge `requests` to requests/min and report both minute buckets (tokens uncharged)."""
+    tier = tenant.tier
+    return limiter().admit(_scope(tenant), MINUTE_S, {"requests": (tier.requests_per_minute, requests),
+                                                      "tokens": (tier.tokens_per_minute, 0)})
+
+
 def admit_request(tenant: Tenant) -> Decision:
     """Count one request against requests/min; also report tokens/min (without charging)."""
-    tier = tenant.tier
-    decision = limiter().admit(
-        _scope(tenant),
-        MINUTE_S,
-        {"requests": (tier.requests_per_minute, 1), "tokens": (tier.tokens_per_minute, 0)},
-    )
+    decision = _minute_buckets(tenant, 1)
     if not decision.allowed:
         raise errors.rate_limited(decision)
     return decision
@@ -50,10 +52,7 @@ def admit_request(tenant: Tenant) -> Decision:
 def minute_state(tenant: Tenant) -> tuple[Decision, int]:
     """What is left of the tenant's requests/min and tokens/min buckets (read at cost 0,
     charging nothing) and how many stream leases it holds now. Raises RedisError."""
-    tier = tenant.tier
-    decision = limiter().admit(_scope(tenant), MINUTE_S, {"requests": (tier.requests_per_minute, 0),
-                                                          "tokens": (tier.tokens_per_minute, 0)})
-    return decision, limiter().leases_held(_scope(tenant), "streams")
+    return _minute_buckets(tenant, 0), limiter().leases_held(_scope(tenant), "streams")
 
 
 def admit_tokens(tenant: Tenant, prompt_tokens: int, max_tokens: int, choices: int = 1) -> Decision:
@@ -87,7 +86,7 @@ def admit_unmetered_tokens(tenant: Tenant, max_tokens: int) -> None:
     check_monthly_budget(tenant)
 
 
-def _check_max_tokens(tier, max_tokens: int) -> None:
+def _check_max_tokens(tier: QuotaTier, max_tokens: int) -> None:
     if max_tokens > tier.max_tokens_per_request:
         raise errors.ApiError(
             400,
