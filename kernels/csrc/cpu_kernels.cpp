@@ -14,7 +14,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,124 @@ static inline void values_bf16(const at::BFloat16* vb, const float* s, float* ac
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// fp32 fast path (AVX2 + FMA, head_dim a multiple of 32). The generic loop reduced every
+// (token, head) dot product horizontally and ran its exponentials one at a time: ~660 cycles
+// per token and kv head, 124 ms for 30 layers at 64 sequences x 160 tokens on a 2-core AVX2
+// EPYC. Here eight keys are dotted side by side and reduced together, exponentials run eight
+// at a time, and values accumulate 32 dimensions per register pass.
+
+// The sums of four vectors, as the lanes of one.
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+static inline float hsum(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// e^x for x <= 0 (scores minus their running max): 2^n * p(r) with |r| <= ln2/2 and a
+// degree-6 polynomial, relative error ~2e-7; below -87 it flushes to 0.
+static inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  const __m256 rr = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(out, _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GT_OQ));
+}
+
+// Scores of n keys (token_stride apart) against `group` query heads (qf, already scaled):
+// s[g * block_size + t].
+static inline void scores_f32(const float* qf, const float* kb, float* s, int64_t n, int64_t group,
+                              int64_t head_dim, int64_t token_stride, int64_t block_size) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qp = qf + g * head_dim;
+    float* sg = s + g * block_size;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const float* kp = kb + t * token_stride;
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qp + c);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + i * token_stride + c), a[i]);
+      }
+      _mm_storeu_ps(sg + t, hsum4(a[0], a[1], a[2], a[3]));
+      _mm_storeu_ps(sg + t + 4, hsum4(a[4], a[5], a[6], a[7]));
+    }
+    for (; t < n; ++t) {
+      const float* kp = kb + t * token_stride;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qp + c), _mm256_loadu_ps(kp + c), a);
+      sg[t] = hsum(a);
+    }
+  }
+}
+
+// One block of the online softmax for one head, as softmax_block, eight scores at a time.
+static inline void softmax_block_f32(float* sh, int64_t n, float& m, float& l, float* acc, int64_t head_dim) {
+  float block_max = sh[0];
+  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sh[t]);
+  if (block_max > m) {
+    const __m256 c = _mm256_set1_ps(std::exp(m - block_max));
+    l *= _mm256_cvtss_f32(c);
+    for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), c));
+    m = block_max;
+  }
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mv));
+    _mm256_storeu_ps(sh + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  l += hsum(sum);
+  for (; t < n; ++t) {
+    sh[t] = std::exp(sh[t] - m);
+    l += sh[t];
+  }
+}
+
+// acc[g] += sum_t p[g][t] * v[t] for n values, 32 dimensions per pass kept in registers.
+static inline void values_f32(const float* vb, const float* s, float* acc, int64_t n, int64_t group,
+                              int64_t head_dim, int64_t token_stride, int64_t block_size) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = s + g * block_size;
+    float* ag = acc + g * head_dim;
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      __m256 r0 = _mm256_loadu_ps(ag + c), r1 = _mm256_loadu_ps(ag + c + 8);
+      __m256 r2 = _mm256_loadu_ps(ag + c + 16), r3 = _mm256_loadu_ps(ag + c + 24);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* vp = vb + t * token_stride + c;
+        const __m256 pt = _mm256_broadcast_ss(p + t);
+        r0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp), r0);
+        r1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + 8), r1);
+        r2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + 16), r2);
+        r3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + 24), r3);
+      }
+      _mm256_storeu_ps(ag + c, r0);
+      _mm256_storeu_ps(ag + c + 8, r1);
+      _mm256_storeu_ps(ag + c + 16, r2);
+      _mm256_storeu_ps(ag + c + 24, r3);
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void decode_kernel(
     const T* q, const T* k_cache, const T* v_cache, T* out,
@@ -95,6 +213,9 @@ static void decode_kernel(
   const bool bf16_dot = std::is_same_v<T, at::BFloat16> && head_dim % 32 == 0;
 #else
   const bool bf16_dot = false;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool f32_simd = std::is_same_v<T, float> && head_dim % 32 == 0;
 #endif
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_item * group;  // query heads handled by one item
@@ -127,6 +248,19 @@ static void decode_kernel(
                 softmax_block(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
               values_bf16(vb, s.data() + h0 * block_size, acc.data() + h0 * head_dim, n, group, head_dim, token_stride,
                           block_size);
+              continue;
+            }
+          }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float>) {
+            if (f32_simd) {
+              scores_f32(qf.data() + h0 * head_dim, kb, s.data() + h0 * block_size, n, group, head_dim, token_stride,
+                         block_size);
+              for (int64_t h = h0; h < h0 + group; ++h)
+                softmax_block_f32(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
+              values_f32(vb, s.data() + h0 * block_size, acc.data() + h0 * head_dim, n, group, head_dim, token_stride,
+                         block_size);
               continue;
             }
           }

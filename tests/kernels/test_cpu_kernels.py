@@ -227,6 +227,28 @@ def test_mixed_batch_paged_attention_matches_reference(block_size, heads, kv_hea
     torch.testing.assert_close(out, expected, **attention_tolerance(dtype))
 
 
+@pytest.mark.parametrize("sharpness", [0.0, 30.0, 400.0], ids=["flat", "peaked", "one-hot"])
+def test_paged_decode_softmax_over_extreme_score_ranges(sharpness, ext):
+    """Scores that are all equal, that span hundreds (most weights underflow to zero) and
+    whose maximum rises late in the context (each new block rescales what came before)."""
+    lens = [1, 16, 40, 300]
+    cache = PagedCache(lens, 16, 3, 64, torch.float32, seed=21)
+    # A sequence's later blocks hold larger keys, so the running maximum keeps rising.
+    ramp = torch.ones(cache.k_cache.shape[0], 1, 1, 1)
+    for table, n in zip(cache.block_tables.tolist(), lens):
+        used = -(-n // 16)
+        for j, block in enumerate(table[:used]):
+            ramp[block] = 0.5 + j / used
+    k_cache = cache.k_cache * ramp if sharpness else cache.k_cache * 0 + 1  # NaN stays NaN outside contexts
+    finite_k = torch.nan_to_num(k_cache, nan=0.0)
+    q = torch.randn(len(lens), 9, 64, generator=gen(22))
+    scale = max(sharpness, 1.0) * 64**-0.5
+    out = ext.paged_decode(q, k_cache, cache.v_cache, cache.block_tables, torch.tensor(lens, dtype=torch.int32), scale)
+    expected = paged_decode_ref(q, finite_k, cache.finite_v, cache.block_tables, tuple(lens), scale)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
 def test_write_kv_then_compiled_decode_round_trip(cpu_ops):
     """The compiled decode reads the layout write_kv writes (slot = block * block_size + offset)."""
     block_size, heads, kv_heads, head_dim, n = 16, 9, 3, 64, 37
