@@ -7,18 +7,15 @@ converted tokenizer is kept in a cache folder keyed by the file's identity.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from inference.engine.loader import ModelSource
+from inference.engine.loader import ModelSource, cache_root, file_key
 
 
 def _cache_root() -> Path:
-    base = os.environ.get("LLM_PLATFORM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llm-platform")
-    return Path(base) / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def _load_hf_tokenizer(source: ModelSource):
@@ -26,9 +23,7 @@ def _load_hf_tokenizer(source: ModelSource):
 
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(str(source.path))
-    stat = source.path.stat()
-    key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    cached = _cache_root() / key
+    cached = _cache_root() / file_key(source.path)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)

@@ -428,9 +428,85 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// linear_small: out = x @ w.T (+ bias) for a few rows of x, fp32. At one to a few tokens a
+// step is a matrix-vector product that streams every weight from memory once; oneDNN and
+// MKL read them at ~11 GB/s on a 2-core AVX2 EPYC that reads ~21 GB/s. Four weight rows
+// stream side by side against two rows of x at a time (the weights stay in L1 for the
+// next two), each thread on its own contiguous run of rows.
+static void linear_small_kernel(const float* x, const float* w, const float* bias, float* out, int64_t m, int64_t n,
+                                int64_t k) {
+  at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t r0 = quad * 4, rows = std::min<int64_t>(4, n - r0);
+      for (int64_t i = 0; i < m; i += 2) {
+        const int64_t xs = std::min<int64_t>(2, m - i);
+        float sums[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#if defined(__AVX2__) && defined(__FMA__)
+        if (rows == 4 && k % 8 == 0) {
+          const float* w0 = w + r0 * k;
+          const float* x0 = x + i * k;
+          const float* x1 = x + (i + xs - 1) * k;  // the same row again when only one is left
+          __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+          __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+          for (int64_t c = 0; c < k; c += 8) {
+            const __m256 v0 = _mm256_loadu_ps(x0 + c), v1 = _mm256_loadu_ps(x1 + c);
+            const __m256 q0 = _mm256_loadu_ps(w0 + c), q1 = _mm256_loadu_ps(w0 + k + c);
+            const __m256 q2 = _mm256_loadu_ps(w0 + 2 * k + c), q3 = _mm256_loadu_ps(w0 + 3 * k + c);
+            a00 = _mm256_fmadd_ps(v0, q0, a00);
+            a01 = _mm256_fmadd_ps(v0, q1, a01);
+            a02 = _mm256_fmadd_ps(v0, q2, a02);
+            a03 = _mm256_fmadd_ps(v0, q3, a03);
+            a10 = _mm256_fmadd_ps(v1, q0, a10);
+            a11 = _mm256_fmadd_ps(v1, q1, a11);
+            a12 = _mm256_fmadd_ps(v1, q2, a12);
+            a13 = _mm256_fmadd_ps(v1, q3, a13);
+          }
+          _mm_storeu_ps(sums[0], hsum4(a00, a01, a02, a03));
+          _mm_storeu_ps(sums[1], hsum4(a10, a11, a12, a13));
+        } else
+#endif
+        {
+          for (int64_t j = 0; j < xs; ++j)
+            for (int64_t r = 0; r < rows; ++r) {
+              const float* wr = w + (r0 + r) * k;
+              const float* xr = x + (i + j) * k;
+              float acc = 0.f;
+              for (int64_t c = 0; c < k; ++c) acc += xr[c] * wr[c];
+              sums[j][r] = acc;
+            }
+        }
+        for (int64_t j = 0; j < xs; ++j)
+          for (int64_t r = 0; r < rows; ++r) out[(i + j) * n + r0 + r] = sums[j][r] + (bias ? bias[r0 + r] : 0.f);
+      }
+    }
+  });
+}
+
+torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "linear_small is fp32 only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be a contiguous [out_features, in_features]");
+  TORCH_CHECK(x.size(-1) == w.size(1), "x's last dimension must be w's in_features");
+  x = x.contiguous();
+  const int64_t k = w.size(1), n = w.size(0), m = x.numel() / k;
+  const float* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n, "bias must be fp32 [out_features]");
+    bias_c = bias->contiguous();
+    b = bias_c.data_ptr<float>();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, x.options());
+  linear_small_kernel(x.data_ptr<float>(), w.data_ptr<float>(), b, out.data_ptr<float>(), m, n, k);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add (in place) and RMSNorm (CPU)");
   m.def("rotary", &rotary, "rotary embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+  m.def("linear_small", &linear_small, "x @ w.T + bias for a few rows of x, fp32 (CPU)", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none());
 }

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
+from inference.engine import loader
 from inference.engine.loader import load_model
 from inference.engine.sequence import SamplingParams
 from tests.engine.tiny import one_thread
@@ -161,3 +164,71 @@ def test_missing_weight_names_the_weight(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def write_tiny_gguf(path) -> dict[str, np.ndarray]:
+    """A one-layer llama GGUF with fp32 tensors (GGUF shapes: rows are the last axis)."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    hidden, inter, vocab, heads, kv_heads = 16, 32, 32, 4, 2
+    tensors = {
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (hidden // heads * kv_heads, hidden),
+        "blk.0.attn_v.weight": (hidden // heads * kv_heads, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.ffn_gate.weight": (inter, hidden),
+        "blk.0.ffn_up.weight": (inter, hidden),
+        "blk.0.ffn_down.weight": (hidden, inter),
+    }
+    arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in tensors.items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_eos_token_id(2)
+    for name, array in arrays.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return arrays
+
+
+def test_a_gguf_file_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    arrays = write_tiny_gguf(path)
+    config, tensors = loader.read_gguf(path)
+    assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(arrays["blk.0.ffn_down.weight"]))
+    (cached,) = (tmp_path / "cache" / "weights").iterdir()
+
+    def no_conversion(path):
+        raise AssertionError("converted again although a converted copy was cached")
+
+    monkeypatch.setattr(loader, "convert_gguf", no_conversion)
+    again_config, again = loader.read_gguf(path)
+    assert again_config == config and config.eos_token_ids == (2,) and config.num_kv_heads == 2
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+    # A damaged copy is converted again and replaced; a changed file gets a copy of its own.
+    monkeypatch.undo()
+    monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
+    cached.write_bytes(cached.read_bytes()[:100])
+    _, repaired = loader.read_gguf(path)
+    assert all(torch.equal(repaired[k], tensors[k]) for k in tensors)
+    assert cached.stat().st_size > 100
+    write_tiny_gguf(path)
+    os.utime(path, ns=(1, 1))
+    loader.read_gguf(path)
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == 2

@@ -15,11 +15,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
-from inference.engine.models.llama import LlamaModel, ModelConfig, random_tensors
+from inference.engine.models.llama import Linear, LlamaModel, ModelConfig, random_tensors
 from inference.engine.sequence import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
 from kernels.activation import silu_and_mul_ref
@@ -247,6 +248,36 @@ def test_paged_decode_softmax_over_extreme_score_ranges(sharpness, ext):
     expected = paged_decode_ref(q, finite_k, cache.finite_v, cache.block_tables, tuple(lens), scale)
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (13, 576), (7, 24), (5, 1823)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_small_matches_f_linear(rows, out_features, in_features, with_bias, ext):
+    # Row counts that fill the two-rows-of-x pass and leave one over; output widths that are
+    # and are not multiples of the four weight rows streamed together; an input width that is
+    # not a multiple of 8 (the scalar path) and a strided x (a column slice).
+    g = gen(rows + out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    x = torch.randn(rows, in_features + 3, generator=g)[:, 3:]
+    out = ext.linear_small(x, w, bias)
+    assert out.shape == (rows, out_features)
+    # Sums of ~600 products in another order: a few ulps of the sum's magnitude.
+    torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch, ext):
+    w = torch.randn(64, 32, generator=gen(1))
+    monkeypatch.setenv("KERNELS", "auto")
+    layer = Linear(w)
+    assert layer.small is ext.linear_small
+    for rows in (1, kernels.SMALL_ROWS, kernels.SMALL_ROWS + 1, 40):
+        x = torch.randn(rows, 32, generator=gen(rows))
+        torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("KERNELS", "reference")
+    assert Linear(w).small is None
+    assert Linear(w.to(torch.bfloat16)).small is None and Linear(w.t()).small is None
 
 
 def test_write_kv_then_compiled_decode_round_trip(cpu_ops):

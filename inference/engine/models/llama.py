@@ -115,8 +115,12 @@ class Linear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
             except (RuntimeError, AttributeError):  # an older oneDNN without it: plain matmul
                 self.packed = None
+        # A step of a few tokens streams the weights: a kernel that reads them at full speed.
+        self.small = kernels.small_linear_for(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= kernels.SMALL_ROWS:
+            return self.small(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,65 @@
+"""Linear layers at a few rows: the compiled `linear_small` against oneDNN and `F.linear`.
+
+Every linear layer of SmolLM2-135M in fp32 (30 layers' qkv, o, gate_up, down and the
+tied lm_head: 538 MB, more than the last-level cache), each with its own weights so
+they stream from memory as in a real step, timed side by side for 1 to 16 rows of x.
+Prints milliseconds per pass over the whole model, the weight bytes read per second
+and the ratios; the smallest row count where oneDNN wins is where `kernels.linear`'s
+SMALL_ROWS should stop.
+
+    .venv/bin/python bench/linear_small.py     # about a minute
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import cpu_ext  # noqa: E402
+
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
+
+
+def best_of(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ext = cpu_ext.load()
+    if ext is None:
+        sys.exit("the CPU extension did not build")
+    weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    total = sum(w.numel() * 4 for w in weights)
+    print(f"# {total / 1e6:.0f} MB of fp32 weights, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| rows | linear_small | oneDNN packed | F.linear | oneDNN / small | F.linear / small |")
+    print("|---|---|---|---|---|---|")
+    for rows in (1, 2, 4, 8, 16, 24, 32, 48):
+        xs = {k: torch.randn(rows, k) for k in (HIDDEN, INTER)}
+        small = best_of(lambda: [ext.linear_small(xs[w.shape[1]], w) for w in weights])
+        onednn = best_of(
+            lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)]
+        )
+        plain = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
+        print(
+            f"| {rows} | {small * 1e3:.1f} ms ({total / small / 1e9:.1f} GB/s) | {onednn * 1e3:.1f} ms | {plain * 1e3:.1f} ms "
+            f"| {onednn / small:.2f}x | {plain / small:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
