@@ -166,11 +166,11 @@ def test_missing_weight_names_the_weight(tmp_path):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
 
 
-def write_tiny_gguf(path) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF with fp32 tensors (GGUF shapes: rows are the last axis)."""
     import gguf
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     hidden, inter, vocab, heads, kv_heads = 16, 32, 32, 4, 2
     tensors = {
         "token_embd.weight": (vocab, hidden),
@@ -221,14 +221,20 @@ def test_a_gguf_file_is_converted_once_then_read_from_the_cache(tmp_path, monkey
     assert again_config == config and config.eos_token_ids == (2,) and config.num_kv_heads == 2
     assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
 
-    # A damaged copy is converted again and replaced; a changed file gets a copy of its own.
+    # A damaged copy is converted again and replaced; a file with other contents gets a copy
+    # of its own, and the same contents elsewhere share the first.
     monkeypatch.undo()
     monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
     cached.write_bytes(cached.read_bytes()[:100])
     _, repaired = loader.read_gguf(path)
     assert all(torch.equal(repaired[k], tensors[k]) for k in tensors)
     assert cached.stat().st_size > 100
-    write_tiny_gguf(path)
-    os.utime(path, ns=(1, 1))
-    loader.read_gguf(path)
+    elsewhere = tmp_path / "elsewhere.gguf"
+    elsewhere.write_bytes(path.read_bytes())
+    os.utime(elsewhere, ns=(1, 1))
+    loader.read_gguf(elsewhere)
+    assert list((tmp_path / "cache" / "weights").iterdir()) == [cached]
+    other = write_tiny_gguf(path, seed=1)
+    _, changed = loader.read_gguf(path)
+    assert torch.equal(changed["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(other["blk.0.ffn_down.weight"]))
     assert len(list((tmp_path / "cache" / "weights").iterdir())) == 2
