@@ -52,8 +52,13 @@ def load():
                 from torch.utils.cpp_extension import load as build
 
                 os.environ.setdefault("MAX_JOBS", "2")
-                if shutil.which("ninja") is None:  # the `ninja` wheel lives beside this interpreter
-                    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+                # The `ninja` wheel lives beside this interpreter: take it first whatever PATH says.
+                # A process that found the system's ninja 1.11 and one that found the wheel's 1.13
+                # hash build commands differently, so each rebuilt the module the other had just
+                # built (~50 s each: `make run`'s launcher puts the venv first on PATH, tests do not).
+                here = os.path.dirname(sys.executable)
+                if os.path.isfile(os.path.join(here, "ninja")) or shutil.which("ninja") is None:
+                    os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
                 _module = build(
                     name=_build_name(),
                     sources=[str(_SOURCE)],
