@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ext
 from kernels._triton import check, next_power_of_2, tl, triton
 from kernels.dispatch import pick
 
@@ -60,7 +61,7 @@ def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def write_kv_impl(probe: torch.Tensor):
-    return pick(write_kv_ref, write_kv_triton, probe)
+    return pick(write_kv_ref, write_kv_triton, probe, cpu_impl=cpu_ext.op("write_kv"))
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -105,7 +105,7 @@ def test_kernels_cpu_resolves_the_compiled_ops(cpu_ops, ext):
     assert ops.paged_attention is not paged_attention_ref
     assert ops.add_rms_norm is not add_rms_norm_ref
     assert ops.rms_norm is not rms_norm_ref
-    assert ops.write_kv is write_kv_ref  # no compiled write_kv: the reference, not an error
+    assert ops.write_kv is ext.write_kv
 
 
 # -- paged attention -------------------------------------------------------------------------
@@ -287,6 +287,25 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     monkeypatch.setenv("KERNELS", "reference")
     assert Linear(w).small is None
     assert Linear(w.to(torch.bfloat16)).small is None and Linear(w.t()).small is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_fills_the_same_slots_as_the_reference(dtype, ext):
+    # value as the model has it: a column slice of the fused qkv output (strided rows);
+    # a negative slot (a padding token) writes nothing.
+    g = gen(4)
+    k_cache = torch.full((5, 16, 3, 64), math.nan, dtype=dtype)
+    v_cache = torch.full_like(k_cache, math.nan)
+    key = torch.randn(7, 3, 64, generator=g).to(dtype)
+    value = torch.randn(7, 5 * 64, generator=g).to(dtype)[:, 64 : 4 * 64].view(7, 3, 64)
+    slots = torch.tensor([0, 17, 79, 16, -1, 40, 3])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    write_kv_ref(key[keep], value[keep], expected_k, expected_v, slots[keep])
+    ext.write_kv(key, value, k_cache, v_cache, slots)
+    assert same_bits(k_cache, expected_k) and same_bits(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ext.write_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([80]))
 
 
 def test_write_kv_then_compiled_decode_round_trip(cpu_ops):
