@@ -17,7 +17,7 @@ import torch
 from kernels.activation import silu_and_mul, silu_and_mul_impl
 from kernels.dispatch import backend_name
 from kernels.kv_cache import write_kv, write_kv_impl
-from kernels.linear import SMALL_ROWS, linear_ref, small_linear_for
+from kernels.linear import SMALL_ROWS, small_linear_for
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_impl, rms_norm, rms_norm_impl
 from kernels.rotary import apply_rotary, apply_rotary_impl
@@ -53,7 +53,6 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "backend_name",
-    "linear_ref",
     "ops_for",
     "paged_attention",
     "rms_norm",

@@ -11,7 +11,6 @@ keeps cuBLAS: `small_linear_for` returns None there.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu_ext
 from kernels.dispatch import backend_name
@@ -19,10 +18,6 @@ from kernels.dispatch import backend_name
 # Up to this many rows the compiled kernel beat oneDNN's packed fp32 GEMM by 1.2-2x on the
 # 2-core AVX2 dev box; at 32 rows the two were even (bench/linear_small.py measures it).
 SMALL_ROWS = 16
-
-
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
 
 
 def small_linear_for(weight: torch.Tensor):
