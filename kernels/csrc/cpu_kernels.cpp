@@ -357,11 +357,16 @@ static void decode_kernel(
           // Blocks lie anywhere in the cache, so the hardware prefetcher starts cold at each:
           // ask for the next one's keys and values while this one is worked on (a core alone
           // read ~6 GB/s of scattered blocks without this).
+          // Only this item's heads of each token: split by kv head, items would each fetch the whole block.
           const int64_t next = table[start / block_size + 1] * block_stride + kv_first * head_dim;
-          const int64_t bytes = ((block_size - 1) * token_stride + heads_per_item * head_dim) * int64_t(sizeof(T));
-          for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + b, 0, 3);
-            __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + b, 0, 3);
+          const int64_t row_bytes = heads_per_item * head_dim * int64_t(sizeof(T));
+          for (int64_t t = 0; t < block_size; ++t) {
+            const char* kr = reinterpret_cast<const char*>(k_cache + next + t * token_stride);
+            const char* vr = reinterpret_cast<const char*>(v_cache + next + t * token_stride);
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+              __builtin_prefetch(kr + b, 0, 3);
+              __builtin_prefetch(vr + b, 0, 3);
+            }
           }
         }
         for (int64_t kh = 0; kh < heads_per_item; ++kh) {
