@@ -1,17 +1,18 @@
 """Linear layers at a few rows: the compiled `linear_small` against oneDNN and `F.linear`.
 
-Every linear layer of SmolLM2-135M in fp32 (30 layers' qkv, o, gate_up, down and the
-tied lm_head: 538 MB, more than the last-level cache), each with its own weights so
+Every linear layer of SmolLM2-135M (30 layers' qkv, o, gate_up, down and the tied
+lm_head: 538 MB in fp32, 269 MB in bf16), each with its own weights so
 they stream from memory as in a real step, timed side by side for 1 to 16 rows of x.
 Prints milliseconds per pass over the whole model, the weight bytes read per second
 and the ratios; the smallest row count where oneDNN wins is where `kernels.linear`'s
 SMALL_ROWS should stop.
 
-    .venv/bin/python bench/linear_small.py     # about a minute
+    .venv/bin/python bench/linear_small.py [--dtype bfloat16]    # about a minute
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -38,17 +39,22 @@ def best_of(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    dtype = getattr(torch, ap.parse_args().dtype)
     ext = cpu_ext.load()
     if ext is None:
         sys.exit("the CPU extension did not build")
-    weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    if dtype == torch.bfloat16 and not ext.linear_small_bf16(HIDDEN):
+        sys.exit("this build of linear_small has no bf16 path (it needs AVX512-BF16)")
+    weights = [(torch.randn(n, k) * 0.02).to(dtype) for n, k in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    total = sum(w.numel() * 4 for w in weights)
-    print(f"# {total / 1e6:.0f} MB of fp32 weights, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    total = sum(w.numel() * w.element_size() for w in weights)
+    print(f"# {total / 1e6:.0f} MB of {dtype} weights, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| rows | linear_small | oneDNN packed | F.linear | oneDNN / small | F.linear / small |")
     print("|---|---|---|---|---|---|")
     for rows in (1, 2, 4, 8, 16, 24, 32, 48):
-        xs = {k: torch.randn(rows, k) for k in (HIDDEN, INTER)}
+        xs = {k: torch.randn(rows, k).to(dtype) for k in (HIDDEN, INTER)}
         small = best_of(lambda: [ext.linear_small(xs[w.shape[1]], w) for w in weights])
         onednn = best_of(
             lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)]

@@ -4,8 +4,9 @@ At batch 1 (and the few rows of a lightly loaded step) a linear layer reads ever
 weight once and does two FLOPs with it, so it runs at whatever rate the weights
 stream from memory. On CPU the compiled `linear_small` streams fp32 weights at
 nearly the machine's read bandwidth, where oneDNN and MKL reached about half of
-it; larger batches are compute-bound and stay with oneDNN's packed GEMM. CUDA
-keeps cuBLAS: `small_linear_for` returns None there.
+it, and bf16 weights (AVX512-BF16) at one row 1.5x faster than oneDNN; larger
+batches stay with oneDNN's packed GEMM. CUDA keeps cuBLAS: `small_linear_for`
+returns None there.
 """
 
 from __future__ import annotations
@@ -15,17 +16,22 @@ import torch
 from kernels import cpu_ext
 from kernels.dispatch import backend_name
 
-# Up to this many rows the compiled kernel beat oneDNN's packed fp32 GEMM by 1.2-2x on the
-# 2-core AVX2 dev box; at 32 rows the two were even (bench/linear_small.py measures it).
-SMALL_ROWS = 16
+# Up to this many rows the compiled kernel takes the step (bench/linear_small.py measures
+# where it stops paying). fp32: 1.2-2x oneDNN's packed GEMM up to 16 rows on a 2-core AVX2
+# EPYC, even at 32. bf16: 1.46x and 1.58x at one row in two runs on a 2-core AMX Xeon, where
+# oneDNN's one-row path ran slower than its two-row one; from two rows on the runs disagreed.
+SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 1}
 
 
 def small_linear_for(weight: torch.Tensor):
-    """The compiled few-rows linear for this weight, or None where it does not apply
-    (not CPU, not fp32, KERNELS=reference or triton, the extension did not build)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
+    """The compiled few-rows linear for this weight (for up to SMALL_ROWS[dtype] rows of x), or
+    None where it does not apply: not CPU, neither fp32 nor bf16, bf16 without AVX512-BF16,
+    KERNELS=reference or triton, the extension did not build."""
+    if weight.device.type != "cpu" or weight.dtype not in SMALL_ROWS or weight.dim() != 2 or not weight.is_contiguous():
         return None
     if backend_name() not in ("auto", "cpu"):
         return None
     module = cpu_ext.load()
-    return None if module is None else module.linear_small
+    if module is None or (weight.dtype == torch.bfloat16 and not module.linear_small_bf16(weight.shape[1])):
+        return None
+    return module.linear_small

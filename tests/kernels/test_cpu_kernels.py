@@ -276,17 +276,41 @@ def test_linear_small_matches_f_linear(rows, out_features, in_features, with_bia
     torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch, ext):
-    w = torch.randn(64, 32, generator=gen(1))
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (13, 576), (5, 1536), (7, 24)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_small_in_bf16_matches_f_linear_or_says_why_not(rows, out_features, in_features, with_bias, ext):
+    # bf16 needs AVX512-BF16 and an input width the 32-wide dot covers; elsewhere a clear error.
+    g = gen(rows + out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    if not ext.linear_small_bf16(in_features):
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            ext.linear_small(x, w, bias)
+        return
+    out = ext.linear_small(x, w, bias)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # Both sum in fp32 and round once: an fp32 sum in another order lands a bf16 ulp apart at most.
+    torch.testing.assert_close(out, F.linear(x, w, bias), **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch, ext, dtype):
+    w = torch.randn(64, 32, generator=gen(1)).to(dtype)
     monkeypatch.setenv("KERNELS", "auto")
     layer = Linear(w)
-    assert layer.small is ext.linear_small
-    for rows in (1, kernels.SMALL_ROWS, kernels.SMALL_ROWS + 1, 40):
-        x = torch.randn(rows, 32, generator=gen(rows))
-        torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    compiled = dtype == torch.float32 or ext.linear_small_bf16(32)
+    assert (layer.small is ext.linear_small) == compiled
+    assert layer.small_rows == (kernels.SMALL_ROWS[dtype] if compiled else 0)
+    limit = kernels.SMALL_ROWS[dtype]
+    for rows in (1, limit, limit + 1, 40):
+        x = torch.randn(rows, 32, generator=gen(rows)).to(dtype)
+        torch.testing.assert_close(layer(x), F.linear(x, w), **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerance(dtype)))
     monkeypatch.setenv("KERNELS", "reference")
-    assert Linear(w).small is None
-    assert Linear(w.to(torch.bfloat16)).small is None and Linear(w.t()).small is None
+    assert Linear(w).small is None and Linear(w).small_rows == 0
+    monkeypatch.setenv("KERNELS", "auto")
+    assert Linear(w.t()).small is None and Linear(w.to(torch.float16)).small is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

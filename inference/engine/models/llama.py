@@ -117,9 +117,10 @@ class Linear:
                 self.packed = None
         # A step of a few tokens streams the weights: a kernel that reads them at full speed.
         self.small = kernels.small_linear_for(weight)
+        self.small_rows = kernels.SMALL_ROWS[weight.dtype] if self.small is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= kernels.SMALL_ROWS:
+        if x.shape[0] <= self.small_rows:
             return self.small(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
