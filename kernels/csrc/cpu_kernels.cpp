@@ -7,6 +7,8 @@
 //   (GQA), with an online softmax in fp32.
 // add_rms_norm, rotary, silu_and_mul: one pass each instead of the 5-10 small
 //   PyTorch ops of the reference, which at batch 1 cost more than their arithmetic.
+// linear_small, linear_amx: linear layers at the few rows of a decode step, where
+//   they stream the weights (see each).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -17,6 +19,11 @@
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 template <typename T>
@@ -758,6 +765,158 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return out;
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+// linear_amx: out = x @ w.T (+ bias) in bf16 on AMX's tile units, for the rows of a decode
+// step. oneDNN runs these shapes on AMX too, but at 2-64 rows it read SmolLM2's weights at
+// 8-13 GB/s where this reads them at 16-24 (1.3-1.7x, 30 layers' weights each once, so they
+// stream from memory as in a step; bench/linear_small.py --dtype bfloat16). The weights are
+// repacked once (kernels.linear.pack_amx): [out/16][in/32] tiles of 16 rows (pairs of inputs)
+// x 16 columns (outputs) x 2, the layout TDPBF16PS takes its second operand in, each 1 KB
+// tile contiguous and a column block's tiles one after another, so a thread streams its
+// share of the weights front to back. Each thread takes 32 outputs at a time and, for every
+// two 16-row blocks of x, keeps four fp32 accumulator tiles; x's last m % 16 rows are copied
+// into a zero-padded tile of their own. Sums are fp32 and rounded to bf16 once, as oneDNN does.
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The CPU has AMX-BF16 and Linux lets this process use the tile registers (asked once; a
+// kernel or VM that has not enabled them says no, and the caller keeps oneDNN).
+static bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0-3 accumulate two row blocks x two column blocks, 4 and 5 hold x's rows, 6 and 7 the
+// weights; every tile is 16 rows of 64 bytes.
+static void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// rows of two stored accumulator tiles (c[r] columns 0-15, c[16 + r] columns 16-31) plus
+// bias, rounded to bf16, into out (row stride n).
+static inline void amx_store_rows(const float (*c)[16], int rows, const at::BFloat16* bias, at::BFloat16* out, int64_t n) {
+  const __m512 b0 = bias ? load_bf16x16(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? load_bf16x16(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    store_bf16x16(out + r * n, _mm512_add_ps(_mm512_load_ps(c[r]), b0));
+    store_bf16x16(out + r * n + 16, _mm512_add_ps(_mm512_load_ps(c[16 + r]), b1));
+  }
+}
+
+// BLOCKS (1 or 2) 16-row blocks of x (a0, a1; row stride k) against the two 16-column
+// weight blocks w0, w1 over all kb tiles of k: fp32 sums into c[block][column block * 16 + row].
+template <int BLOCKS>
+static inline void amx_dot(const at::BFloat16* a0, const at::BFloat16* a1, const at::BFloat16* w0, const at::BFloat16* w1,
+                           int64_t kb, int64_t k, float (*c)[32][16]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (BLOCKS == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t j = 0; j < kb; ++j) {
+    _tile_loadd(4, a0 + j * 32, k * 2);
+    _tile_loadd(6, w0 + j * 512, 64);
+    _tile_loadd(7, w1 + j * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (BLOCKS == 2) _tile_loadd(5, a1 + j * 32, k * 2);
+    _tile_dpbf16ps(1, 4, 7);
+    if (BLOCKS == 2) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0][0], 64);
+  _tile_stored(1, c[0][16], 64);
+  if (BLOCKS == 2) {
+    _tile_stored(2, c[1][0], 64);
+    _tile_stored(3, c[1][16], 64);
+  }
+}
+
+static void linear_amx_kernel(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* out,
+                              int64_t m, int64_t n, int64_t k) {
+  const int64_t kb = k / 32, blocks = (m + 15) / 16;
+  const int tail = m % 16;
+  std::vector<at::BFloat16> pad(tail ? 16 * k : 0, at::BFloat16(0.f));
+  if (tail) std::memcpy(pad.data(), x + (m - tail) * k, tail * k * sizeof(at::BFloat16));
+  auto rows_of = [&](int64_t b) { return (tail && b == blocks - 1) ? pad.data() : x + b * 16 * k; };
+  auto count = [&](int64_t b) { return (tail && b == blocks - 1) ? tail : 16; };
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();  // tile state is per thread
+    alignas(64) float c[2][32][16];
+    for (int64_t p = begin; p < end; ++p) {
+      const at::BFloat16* w0 = w + 2 * p * kb * 512;
+      const at::BFloat16* w1 = w0 + kb * 512;
+      const at::BFloat16* bias_p = bias ? bias + p * 32 : nullptr;
+      at::BFloat16* out_p = out + p * 32;
+      int64_t b = 0;
+      for (; b + 1 < blocks; b += 2) {
+        amx_dot<2>(rows_of(b), rows_of(b + 1), w0, w1, kb, k, c);
+        amx_store_rows(c[0], count(b), bias_p, out_p + b * 16 * n, n);
+        amx_store_rows(c[1], count(b + 1), bias_p, out_p + (b + 1) * 16 * n, n);
+      }
+      if (b < blocks) {  // an odd block left
+        amx_dot<1>(rows_of(b), nullptr, w0, w1, kb, k, c);
+        amx_store_rows(c[0], count(b), bias_p, out_p + b * 16 * n, n);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Whether linear_amx runs here: built for a CPU with AMX-BF16 and allowed to use it.
+bool linear_amx_available() {
+#if defined(HAVE_AMX)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(linear_amx_available(), "linear_amx needs a CPU with AMX-BF16 that this process may use");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear_amx takes bf16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0 && packed.size(2) == 16 && packed.size(3) == 32 && packed.is_contiguous(),
+              "packed must be kernels.linear.pack_amx's [out/16, in/32, 16, 32] with out a multiple of 32");
+  const int64_t n = packed.size(0) * 16, k = packed.size(1) * 32;
+  TORCH_CHECK(x.size(-1) == k, "x's last dimension (", x.size(-1), ") must be the weight's in_features (", k, ")");
+  x = x.contiguous();
+  const int64_t m = x.numel() / k;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == n, "bias must be [out_features] in bf16");
+    bias_c = bias->contiguous();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, x.options());
+#if defined(HAVE_AMX)
+  if (m > 0)
+    linear_amx_kernel(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
+                      bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(), m, n, k);
+#endif
+  return out;
+}
+
 // write_kv: each token's keys and values copied into its cache slot (slot = block *
 // block_size + offset; a negative slot skips the token). index_copy_ took 15-30 us a layer
 // for a step's few dozen tokens, about what the copies take in all.
@@ -795,6 +954,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("linear_small_bf16", &linear_small_bf16, "whether linear_small takes bf16 weights of this input width here");
+  m.def("linear_amx_available", &linear_amx_available, "whether linear_amx runs here (AMX-BF16, allowed by the OS)");
+  m.def("linear_amx", &linear_amx, "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx (CPU)", py::arg("x"),
+        py::arg("packed"), py::arg("bias") = py::none());
   m.def("linear_small", &linear_small, "x @ w.T + bias for a few rows of x, fp32 or bf16 (CPU)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
 }

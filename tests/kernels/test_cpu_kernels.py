@@ -295,15 +295,52 @@ def test_linear_small_in_bf16_matches_f_linear_or_says_why_not(rows, out_feature
     torch.testing.assert_close(out, F.linear(x, w, bias), **tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (32, 32), (64, 1536)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_amx_matches_f_linear_or_says_why_not(rows, out_features, in_features, with_bias, ext):
+    # Row counts around the 16-row tiles and the pairs of them (an odd block, a partial last
+    # one); a strided x. Off AMX: a clear error, never a wrong answer.
+    g = gen(rows + out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features + 32, generator=g).to(torch.bfloat16)[:, 32:]
+    packed = kernels.linear.pack_amx(w)
+    if not ext.linear_amx_available():
+        with pytest.raises(RuntimeError, match="AMX"):
+            ext.linear_amx(x, packed, bias)
+        return
+    out = ext.linear_amx(x, packed, bias)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # Both sum in fp32 and round once: an fp32 sum in another order lands a bf16 ulp apart at most.
+    torch.testing.assert_close(out, F.linear(x, w, bias), **tolerance(torch.bfloat16))
+
+
+def test_linear_amx_rejects_what_it_cannot_take(ext):
+    with pytest.raises(ValueError, match="multiples of 32"):
+        kernels.linear.pack_amx(torch.zeros(48, 64, dtype=torch.bfloat16))
+    if not ext.linear_amx_available():
+        return
+    packed = kernels.linear.pack_amx(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.linear_amx(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.linear_amx(torch.zeros(2, 64), packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.linear_amx(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(32, dtype=torch.bfloat16))
+    assert ext.linear_amx(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch, ext, dtype):
     w = torch.randn(64, 32, generator=gen(1)).to(dtype)
     monkeypatch.setenv("KERNELS", "auto")
     layer = Linear(w)
-    compiled = dtype == torch.float32 or ext.linear_small_bf16(32)
-    assert (layer.small is ext.linear_small) == compiled
-    assert layer.small_rows == (kernels.SMALL_ROWS[dtype] if compiled else 0)
-    limit = kernels.SMALL_ROWS[dtype]
+    amx = dtype == torch.bfloat16 and ext.linear_amx_available()
+    compiled = dtype == torch.float32 or amx or ext.linear_small_bf16(32)
+    limit = kernels.linear.AMX_ROWS if amx else kernels.SMALL_ROWS[dtype]
+    assert (layer.small is not None) == compiled
+    assert layer.small_rows == (limit if compiled else 0)
     for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 32, generator=gen(rows)).to(dtype)
         torch.testing.assert_close(layer(x), F.linear(x, w), **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerance(dtype)))
@@ -311,6 +348,8 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     assert Linear(w).small is None and Linear(w).small_rows == 0
     monkeypatch.setenv("KERNELS", "auto")
     assert Linear(w.t()).small is None and Linear(w.to(torch.float16)).small is None
+    # Widths neither bf16 kernel covers (AMX tiles and the 32-wide dot both need multiples of 32).
+    assert Linear(torch.randn(64, 24).to(torch.bfloat16)).small is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

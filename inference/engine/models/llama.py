@@ -116,12 +116,12 @@ class Linear:
             except (RuntimeError, AttributeError):  # an older oneDNN without it: plain matmul
                 self.packed = None
         # A step of a few tokens streams the weights: a kernel that reads them at full speed.
-        self.small = kernels.small_linear_for(weight)
-        self.small_rows = kernels.SMALL_ROWS[weight.dtype] if self.small is not None else 0
+        few = kernels.small_linear_for(weight)
+        self.small, self.small_rows = few if few is not None else (None, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows:
-            return self.small(x, self.weight, self.bias)
+            return self.small(x, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -221,8 +221,9 @@ class LlamaModel(torch.nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_sampling, hidden] -> [num_sampling, vocab] in fp32 for the sampler
-        return self.lm_head(hidden).float()
+        # hidden: [num_sampling, hidden] -> [num_sampling, vocab] in the model's dtype; the
+        # sampler widens them to fp32 only for what needs it (not a plain greedy batch).
+        return self.lm_head(hidden)
 
 
 def random_tensors(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
