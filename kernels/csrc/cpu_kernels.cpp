@@ -342,10 +342,26 @@ static void decode_kernel(
 #if defined(__AVX2__) && defined(__FMA__)
   const bool f32_simd = std::is_same_v<T, float> && head_dim % 32 == 0;
 #endif
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  // Contexts differ in length: each thread takes a contiguous run of items holding an equal
+  // share of the tokens (plus a block's worth per item for its set-up), not an equal count of
+  // items, which left one thread with most of the work when long sequences bunched up.
+  const int64_t items = num_seqs * splits;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> bounds(threads + 1, items);
+  bounds[0] = 0;
+  {
+    auto work = [&](int64_t item) { return int64_t(seq_lens[item / splits]) + block_size; };
+    int64_t total = 0, done = 0, t = 1;
+    for (int64_t item = 0; item < items; ++item) total += work(item);
+    for (int64_t item = 0; item < items && t < threads; ++item) {
+      done += work(item);
+      while (t < threads && done * threads >= total * t) bounds[t++] = item + 1;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
     const int64_t width = heads_per_item * group;  // query heads handled by one item
     std::vector<float> qf(width * head_dim), acc(width * head_dim), kf(head_dim), m(width), l(width), s(width * block_size);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[first_run]; item < bounds[last_run]; ++item) {
       const int64_t seq = item / splits, kv_first = (item % splits) * heads_per_item;
       const int64_t len = seq_lens[seq];
       const int64_t head_first = kv_first * group;
