@@ -16,7 +16,7 @@ import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_impl
 from kernels.dispatch import backend_name
-from kernels.kv_cache import write_kv, write_kv_impl
+from kernels.kv_cache import rotary_write_kv, rotary_write_kv_impl, write_kv, write_kv_impl
 from kernels.linear import SMALL_ROWS, small_linear_for
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_impl, rms_norm, rms_norm_impl
@@ -30,6 +30,7 @@ class Ops:
     apply_rotary: Callable
     silu_and_mul: Callable
     write_kv: Callable
+    rotary_write_kv: Callable
     paged_attention: Callable
 
 
@@ -42,6 +43,7 @@ def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> Ops:
         apply_rotary=apply_rotary_impl(probe),
         silu_and_mul=silu_and_mul_impl(probe),
         write_kv=write_kv_impl(probe),
+        rotary_write_kv=rotary_write_kv_impl(probe),
         paged_attention=paged_attention_impl(probe),
     )
 
@@ -56,6 +58,7 @@ __all__ = [
     "ops_for",
     "paged_attention",
     "rms_norm",
+    "rotary_write_kv",
     "silu_and_mul",
     "small_linear_for",
     "write_kv",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import cpu_ext
 from kernels._triton import check, next_power_of_2, tl, triton
 from kernels.dispatch import pick
+from kernels.rotary import apply_rotary_ref, apply_rotary_triton
 
 
 def write_kv_ref(
@@ -66,3 +69,43 @@ def write_kv_impl(probe: torch.Tensor):
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     write_kv_impl(key)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rotary_write_kv_ref(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], a fused projection's output
+    cos: torch.Tensor,  # [num_tokens, head_dim // 2], fp32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]
+    num_heads: int,
+    rotary=apply_rotary_ref,
+    write=write_kv_ref,
+) -> torch.Tensor:
+    """Rotates q and k, writes k and v into their cache slots; returns q [num_tokens, num_heads, head_dim].
+    qkv is scratch: a backend may rotate it in place (Triton's rotary does).
+
+    Everything a layer does between its qkv projection and attention, as one op: the
+    compiled CPU kernel does it in one pass (the separate ops cost ~100 us a layer, mostly
+    Python); elsewhere it is the rotary and write_kv of the same backend.
+    """
+    n = qkv.shape[0]
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    q_width, kv_width = num_heads * dim, kv_heads * dim
+    if qkv.dim() != 2 or qkv.shape[1] != q_width + 2 * kv_width:
+        raise ValueError(f"rotary_write_kv: qkv must be [tokens, {q_width + 2 * kv_width}], got {tuple(qkv.shape)}")
+    q = rotary(qkv[:, :q_width].view(n, num_heads, dim), cos, sin)
+    k = rotary(qkv[:, q_width : q_width + kv_width].view(n, kv_heads, dim), cos, sin)
+    write(k, qkv[:, q_width + kv_width :].view(n, kv_heads, dim), k_cache, v_cache, slot_mapping)
+    return q
+
+
+rotary_write_kv_triton = functools.partial(rotary_write_kv_ref, rotary=apply_rotary_triton, write=write_kv_triton)
+
+
+def rotary_write_kv_impl(probe: torch.Tensor):
+    return pick(rotary_write_kv_ref, rotary_write_kv_triton, probe, cpu_impl=cpu_ext.op("rotary_write_kv"))
+
+
+def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:
+    return rotary_write_kv_impl(qkv)(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads)

@@ -24,7 +24,7 @@ from inference.engine.models.llama import Linear, LlamaModel, ModelConfig, rando
 from inference.engine.sequence import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
 from kernels.activation import silu_and_mul_ref
-from kernels.kv_cache import write_kv_ref
+from kernels.kv_cache import rotary_write_kv_ref, write_kv_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.paged_decode import paged_decode_ref
 from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
@@ -106,6 +106,7 @@ def test_kernels_cpu_resolves_the_compiled_ops(cpu_ops, ext):
     assert ops.add_rms_norm is not add_rms_norm_ref
     assert ops.rms_norm is not rms_norm_ref
     assert ops.write_kv is ext.write_kv
+    assert ops.rotary_write_kv is ext.rotary_write_kv
 
 
 # -- paged attention -------------------------------------------------------------------------
@@ -369,6 +370,38 @@ def test_write_kv_fills_the_same_slots_as_the_reference(dtype, ext):
     assert same_bits(k_cache, expected_k) and same_bits(v_cache, expected_v)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ext.write_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([80]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", ATTENTION_SHAPES, ids=ATTENTION_IDS)
+def test_rotary_write_kv_matches_rotary_then_write_kv(cpu_ops, dtype, heads, kv_heads, head_dim):
+    # The fused op against the reference ops it replaces, from a strided qkv (a column slice),
+    # with a padding token (slot -1) that must leave the cache alone; untouched slots stay NaN.
+    ops = cpu_ops(dtype)
+    n, width = 37, (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(n, width + 8, generator=gen(heads)).to(dtype)[:, 8:]
+    angles = torch.rand(n, head_dim // 2, generator=gen(2)) * 100
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(6 * 16, generator=gen(3))[:n]
+    slots[5] = -1
+
+    def caches():
+        return torch.full((6, 16, kv_heads, head_dim), math.nan).to(dtype), torch.full((6, 16, kv_heads, head_dim), math.nan).to(dtype)
+
+    k_ref, v_ref = caches()
+    kept = slots >= 0
+    q_ref = rotary_write_kv_ref(qkv[kept], cos[kept], sin[kept], k_ref, v_ref, slots[kept], heads)
+    k_out, v_out = caches()
+    q = ops.rotary_write_kv(qkv, cos, sin, k_out, v_out, slots, heads)
+    assert q.shape == (n, heads, head_dim) and q.dtype == dtype
+    torch.testing.assert_close(q[kept], q_ref, **tolerance(dtype))
+    torch.testing.assert_close(q[5], apply_rotary_ref(qkv[5:6, : heads * head_dim].reshape(1, heads, head_dim), cos[5:6], sin[5:6])[0], **tolerance(dtype))
+    torch.testing.assert_close(k_out, k_ref, equal_nan=True, **tolerance(dtype))
+    assert torch.equal(v_out.isnan(), v_ref.isnan()) and torch.equal(v_out.nan_to_num(), v_ref.nan_to_num())
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rotary_write_kv(qkv[:1], cos[:1], sin[:1], k_out, v_out, torch.tensor([96]), heads)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        ops.rotary_write_kv(qkv[:, 1:], cos, sin, k_out, v_out, slots, heads)
 
 
 def test_write_kv_then_compiled_decode_round_trip(cpu_ops):

@@ -26,7 +26,7 @@ import torch
 import kernels
 from kernels._triton import INTERPRETING
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.kv_cache import write_kv_triton
+from kernels.kv_cache import rotary_write_kv_ref, rotary_write_kv_triton, write_kv_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.paged_decode import num_splits_for, paged_decode_ref, paged_decode_triton
 from kernels.paged_prefill import paged_prefill_triton
@@ -219,6 +219,25 @@ def test_write_kv_skips_tokens_without_a_slot():
     assert k_cache.isnan().sum() == k_cache.numel() - 2 * 3 * 64
 
 
+def test_rotary_write_kv_in_triton_matches_the_reference():
+    # The fused op on Triton is Triton's rotary and write_kv over the qkv row's parts.
+    heads, kv_heads, head_dim, n = 9, 3, 64, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen(4))
+    angles = torch.rand(n, head_dim // 2, generator=gen(5)) * 50
+    slots = torch.tensor([3, -1, 17, 0, 30])
+    out = []
+    for fn in (rotary_write_kv_triton, rotary_write_kv_ref):
+        k_cache, v_cache = poisoned((2, 16, kv_heads, head_dim), torch.float32), poisoned((2, 16, kv_heads, head_dim), torch.float32)
+        if fn is rotary_write_kv_ref:  # the reference has no padding rule of its own: give it the kept tokens
+            kept = slots >= 0
+            q = fn(qkv[kept].clone(), angles[kept].cos(), angles[kept].sin(), k_cache, v_cache, slots[kept], heads)
+        else:  # Triton rotates in place: the qkv it is given is scratch
+            q = fn(qkv.clone(), angles.cos(), angles.sin(), k_cache, v_cache, slots, heads)[slots >= 0]
+        out.append((q, k_cache.nan_to_num(7.0), v_cache.nan_to_num(7.0)))
+    for got, want in zip(*out):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # -- paged decode ----------------------------------------------------------------------------
 
 DECODE_BATCHES = {name: CPU_DECODE_BATCHES[name] for name in ("1", "15", "16", "17", "1000+short")}
@@ -365,6 +384,7 @@ def test_kernels_triton_resolves_every_op_to_triton(monkeypatch):
     assert ops.rms_norm is rms_norm_triton and ops.add_rms_norm is add_rms_norm_triton
     assert ops.apply_rotary is apply_rotary_triton
     assert ops.write_kv is write_kv_triton
+    assert ops.rotary_write_kv is rotary_write_kv_triton
     assert ops.paged_attention is paged_attention_triton
     monkeypatch.setenv("KERNELS", "auto")  # CPU tensors: never Triton unless forced
     assert kernels.ops_for(CPU, torch.float32).paged_attention is not paged_attention_triton

@@ -170,9 +170,6 @@ class LlamaModel(torch.nn.Module):
         self.rope_sin = freqs.sin().to(device)
         self.scale = config.head_dim**-0.5
         self.ops = kernels.ops_for(device, dtype)
-        self._split = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim] + [
-            config.num_kv_heads * config.head_dim
-        ]
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.norm]
@@ -208,10 +205,7 @@ class LlamaModel(torch.nn.Module):
                 x = ops.rms_norm(hidden, layer["input_norm"], eps)
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
-            q, k, v = layer["qkv"](x).split(self._split, dim=-1)
-            q = ops.apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = ops.apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            ops.write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, slot_mapping)
+            q = ops.rotary_write_kv(layer["qkv"](x), cos, sin, k_cache, v_cache, slot_mapping, cfg.num_heads)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             hidden = layer["o"](attn.view(n, -1))
             x, residual = ops.add_rms_norm(hidden, residual, layer["post_norm"], eps)
