@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_impl
+from kernels.argmax import argmax_rows
 from kernels.dispatch import backend_name
 from kernels.kv_cache import rotary_write_kv, rotary_write_kv_impl, write_kv, write_kv_impl
 from kernels.linear import SMALL_ROWS, small_linear_for
@@ -53,6 +54,7 @@ __all__ = [
     "PagedAttentionMetadata",
     "SMALL_ROWS",
     "add_rms_norm",
+    "argmax_rows",
     "apply_rotary",
     "backend_name",
     "ops_for",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from inference.engine.sequence import Sequence, TokenLogprob
 
 
@@ -63,21 +64,20 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list[int], list[TokenLogprob | None]]:
     # logits: [num_seqs, vocab] in the model's dtype, one row per sequence in `seqs`.
-    # (`max(-1).indices` below: the same first-of-ties index as argmax, 2.4x faster on CPU.)
     if all(s.params.greedy and s.params.logprobs is None and not s.params.needs_penalties for s in seqs):
         # The common plain greedy batch: the argmax straight off the model's logits. Widening
         # bf16 to fp32 is exact, so the answer is the same; the copy cost more than the argmax.
-        return logits.max(-1).indices.tolist(), [None] * len(seqs)
+        return kernels.argmax_rows(logits).tolist(), [None] * len(seqs)
     logits = logits.float()  # penalties, logprobs and the filters work in fp32
     apply_penalties(logits, seqs)
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
 
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if len(greedy) == len(seqs):  # an all-greedy batch: no row gather
-        tokens = logits.max(-1).indices
+        tokens = kernels.argmax_rows(logits)
     elif greedy:
         idx = torch.tensor(greedy, device=logits.device)
-        tokens[idx] = logits[idx].max(-1).indices
+        tokens[idx] = kernels.argmax_rows(logits[idx])
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = [seqs[i] for i in sampled]

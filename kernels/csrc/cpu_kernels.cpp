@@ -984,6 +984,72 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<to
   return out;
 }
 
+// argmax_rows: each row's index of its largest value, the first of ties (and the first NaN,
+// as torch.max takes NaN for the largest): greedy sampling's one pass over the logits.
+// torch's max(-1) took 1.2-1.3 ms for 64 rows of SmolLM2's 49,152 bf16 logits, 1% of a step.
+// By the bits: the module is built with -ffast-math, under which std::isnan is always false.
+static inline bool is_nan_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t cols) {
+  int64_t best = 0, c = 0;
+  float top = to_f(x[0]);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (cols >= 16) {
+      __m512 mx = load_bf16x16(x);
+      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at = idx;
+      __mmask16 nan = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
+      const __m512i step = _mm512_set1_epi32(16);
+      for (c = 16; c + 16 <= cols; c += 16) {
+        const __m512 v = load_bf16x16(x + c);
+        at = _mm512_add_epi32(at, step);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, mx, _CMP_GT_OQ);
+        mx = _mm512_mask_blend_ps(gt, mx, v);
+        idx = _mm512_mask_blend_epi32(gt, idx, at);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      }
+      if (nan) {  // rare: find the first NaN the plain way
+        for (int64_t i = 0; i < cols; ++i)
+          if (is_nan_bits(to_f(x[i]))) return i;
+      }
+      top = _mm512_reduce_max_ps(mx);
+      // The smallest index among the lanes holding the maximum.
+      const __mmask16 at_top = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      best = _mm512_mask_reduce_min_epi32(at_top, idx);
+    }
+  }
+#endif
+  for (; c < cols; ++c) {
+    const float v = to_f(x[c]);
+    if (is_nan_bits(v)) {
+      if (!is_nan_bits(top)) best = c, top = v;
+    } else if (v > top && !is_nan_bits(top)) {
+      best = c, top = v;
+    }
+  }
+  return best;
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, cols] with cols > 0");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * cols, cols);
+    });
+  });
+  return out;
+}
+
 // write_kv: each token's keys and values copied into its cache slot (slot = block *
 // block_size + offset; a negative slot skips the token). index_copy_ took 15-30 us a layer
 // for a step's few dozen tokens, about what the copies take in all.
@@ -1020,6 +1086,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add (in place) and RMSNorm (CPU)");
   m.def("rotary", &rotary, "rotary embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+  m.def("argmax_rows", &argmax_rows, "each row's index of its largest value, first of ties (CPU)");
   m.def("rotary_write_kv", &rotary_write_kv, "q and k rotated, k and v into their cache slots, from the fused qkv (CPU)");
   m.def("linear_small_bf16", &linear_small_bf16, "whether linear_small takes bf16 weights of this input width here");
   m.def("linear_amx_available", &linear_amx_available, "whether linear_amx runs here (AMX-BF16, allowed by the OS)");

@@ -676,3 +676,21 @@ def test_engine_greedy_output_agrees_with_compiled_kernels_in_half_precision(mon
             assert our_step.token_id == ref_step.token_id, f"parted with a margin of {min(margins):.3f}"
     identical = sum(c.token_ids == r.token_ids for c, r in zip(compiled, reference))
     assert identical >= len(reference) // 2 + 1, f"only {identical} of {len(reference)} requests agree throughout"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
+def test_argmax_rows_matches_torch_including_ties_and_nan(cpu_ops, ext, dtype, cols):
+    # Rows of random logits, a row of one value (every index ties: the first wins), a row whose
+    # maximum appears twice, and a row with a NaN (torch takes NaN for the largest).
+    cpu_ops(dtype)  # KERNELS=cpu: kernels.argmax_rows takes the compiled op, or raises
+    x = torch.randn(6, cols, generator=gen(cols)).to(dtype)
+    x[1] = 0.5
+    if cols > 2:
+        x[2, cols // 3] = x[2, cols - 1] = 100
+        x[3, cols // 2] = math.nan
+    got = kernels.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.max(-1).indices)
+    assert torch.equal(ext.argmax_rows(x[:, : max(1, cols // 2)]), x[:, : max(1, cols // 2)].max(-1).indices)  # strided rows
+    with pytest.raises(RuntimeError, match="cols > 0"):
+        ext.argmax_rows(torch.zeros(2, 0, dtype=dtype))
