@@ -345,6 +345,9 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 32, generator=gen(rows)).to(dtype)
         torch.testing.assert_close(layer(x), F.linear(x, w), **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerance(dtype)))
+    # oneDNN's packed copy replaces the plain weights (one copy fewer held), unless asked to keep them.
+    assert layer.packed is not None and layer.weight is None and (layer.out_features, layer.in_features) == (64, 32)
+    assert Linear(w, keep_weight=True).weight is w
     monkeypatch.setenv("KERNELS", "reference")
     assert Linear(w).small is None and Linear(w).small_rows == 0
     monkeypatch.setenv("KERNELS", "auto")

@@ -106,9 +106,10 @@ class Linear:
     64 tokens), where `F.linear` ran the tall, thin lm_head at 43 GFLOP/s.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
         self.weight = weight
         self.bias = bias
+        self.out_features, self.in_features = weight.shape
         self.packed = None
         if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
             try:
@@ -118,6 +119,11 @@ class Linear:
         # A step of a few tokens streams the weights: a kernel that reads them at full speed.
         few = kernels.small_linear_for(weight)
         self.small, self.small_rows = few if few is not None else (None, 0)
+        if self.packed is not None and not keep_weight:
+            # Only F.linear reads the plain layout, and oneDNN's packed copy replaces it: let it go
+            # (a kernel that reads it, linear_small, keeps its own reference). With AMX's tiles
+            # too, a layer otherwise held its weights three times: 212 MB more for SmolLM2.
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows:
@@ -145,7 +151,7 @@ class LlamaModel(torch.nn.Module):
 
         self.embed = take("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"))
+        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"), keep_weight=True)
         self.norm = take("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -175,13 +181,15 @@ class LlamaModel(torch.nn.Module):
         tensors = [self.embed, self.norm]
         if self.lm_head.weight is not self.embed:
             tensors.append(self.lm_head.weight)
+        count = 0
         for layer in self.layers:
             for part in layer.values():
                 if isinstance(part, Linear):
-                    tensors += [part.weight] + ([part.bias] if part.bias is not None else [])
+                    count += part.out_features * part.in_features
+                    tensors += [part.bias] if part.bias is not None else []
                 else:
                     tensors.append(part)
-        return sum(t.numel() for t in tensors)
+        return count + sum(t.numel() for t in tensors)
 
     @torch.inference_mode()
     def forward(
