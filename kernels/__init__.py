@@ -18,7 +18,7 @@ from kernels.activation import silu_and_mul, silu_and_mul_impl
 from kernels.argmax import argmax_rows
 from kernels.dispatch import backend_name
 from kernels.kv_cache import rotary_write_kv, rotary_write_kv_impl, write_kv, write_kv_impl
-from kernels.linear import SMALL_ROWS, small_linear_for
+from kernels.linear import SMALL_ROWS, gated_linear_for, small_linear_for
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_impl, rms_norm, rms_norm_impl
 from kernels.rotary import apply_rotary, apply_rotary_impl
@@ -57,6 +57,7 @@ __all__ = [
     "argmax_rows",
     "apply_rotary",
     "backend_name",
+    "gated_linear_for",
     "ops_for",
     "paged_attention",
     "rms_norm",

@@ -36,13 +36,42 @@ AMX_ROWS = 512
 FewRows = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+def pack_amx(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """[out, in] bf16 -> [out/16, in/32, 16, 32]: AMX tiles of 16 input pairs x 16 outputs x 2,
-    tile (o, i)[r][2c + j] = weight[16 o + c][32 i + 2 r + j], each tile's 1 KB contiguous."""
+    tile (o, i)[r][2c + j] = weight[16 o + c][32 i + 2 r + j], each tile's 1 KB contiguous.
+
+    gated: weight is [gate; up] (a SwiGLU's two projections stacked); their 16-output blocks
+    alternate, gate's then up's, so linear_amx(..., silu_mul=True) finds each output's gate
+    and up in one pair of column blocks."""
     n, k = weight.shape
     if n % 32 or k % 32:
         raise ValueError(f"pack_amx needs out_features and in_features multiples of 32, got {n} x {k}")
+    if gated:
+        weight = weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
+
+
+def _amx_module(weight: torch.Tensor):
+    """The extension, where linear_amx takes this weight: CPU, bf16, both sizes multiples of
+    32, AMX usable, KERNELS auto or cpu; else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    if backend_name() not in ("auto", "cpu") or weight.shape[0] % 32 or weight.shape[1] % 32:
+        return None
+    module = cpu_ext.load()
+    return module if module is not None and module.linear_amx_available() else None
+
+
+def gated_linear_for(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """For weight = [gate; up] ([2 * intermediate, in]): (run(x) = silu(x @ gate.T) * (x @ up.T)
+    in one pass, the most rows of x it should take), or None where linear_amx does not apply.
+    The SwiGLU's activation in the projection's epilogue: no [rows, 2 * intermediate]
+    intermediate written and read back, and no separate silu_and_mul call."""
+    module = _amx_module(weight)
+    if module is None:
+        return None
+    packed = pack_amx(weight, gated=True)
+    return (lambda x: module.linear_amx(x, packed, None, True)), AMX_ROWS
 
 
 def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
@@ -57,10 +86,9 @@ def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
     module = cpu_ext.load()
     if module is None:
         return None
-    n, k = weight.shape
-    if weight.dtype == torch.bfloat16 and module.linear_amx_available() and n % 32 == 0 and k % 32 == 0:
+    if _amx_module(weight) is not None:
         packed = pack_amx(weight)
         return (lambda x, bias: module.linear_amx(x, packed, bias)), AMX_ROWS
-    if weight.dtype == torch.bfloat16 and not module.linear_small_bf16(k):
+    if weight.dtype == torch.bfloat16 and not module.linear_small_bf16(weight.shape[1]):
         return None
     return (lambda x, bias: module.linear_small(x, weight, bias)), SMALL_ROWS[weight.dtype]

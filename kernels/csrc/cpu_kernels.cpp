@@ -646,6 +646,19 @@ torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
 }
 
 // silu_and_mul: out[n, i] = silu(x[n, i]) * x[n, i + inter].
+#if defined(__AVX512BF16__)
+// silu(a) * up, sixteen lanes in fp32.
+static inline __m512 silu_mul16(__m512 a, __m512 up) {
+  const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(80.f)));
+  // 1 / (1 + e) by a reciprocal estimate and one Newton step (~2^-23): a divide kept the
+  // loop at ~2 cycles per element.
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  __m512 rcp = _mm512_rcp14_ps(den);
+  rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(_mm512_mul_ps(a, rcp), up);
+}
+#endif
+
 template <typename T>
 static void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -654,17 +667,8 @@ static void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t inter)
       if (inter % 16 == 0) {
         for (int64_t r = begin; r < end; ++r) {
           const T* g = x + r * 2 * inter;
-          for (int64_t i = 0; i < inter; i += 16) {
-            const __m512 a = load_bf16x16(g + i);
-            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(80.f)));
-            // 1 / (1 + e) by a reciprocal estimate and one Newton step (~2^-23): a divide
-            // kept the loop at ~2 cycles per element.
-            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-            __m512 rcp = _mm512_rcp14_ps(den);
-            rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, _mm512_set1_ps(2.f)));
-            const __m512 silu = _mm512_mul_ps(a, rcp);
-            store_bf16x16(out + r * inter + i, _mm512_mul_ps(silu, load_bf16x16(g + inter + i)));
-          }
+          for (int64_t i = 0; i < inter; i += 16)
+            store_bf16x16(out + r * inter + i, silu_mul16(load_bf16x16(g + i), load_bf16x16(g + inter + i)));
         }
         return;
       }
@@ -844,6 +848,8 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch
 // share of the weights front to back. Each thread takes 32 outputs at a time and, for every
 // two 16-row blocks of x, keeps four fp32 accumulator tiles; x's last m % 16 rows are copied
 // into a zero-padded tile of their own. Sums are fp32 and rounded to bf16 once, as oneDNN does.
+// A gated form takes a SwiGLU's gate_up weight and writes silu(gate) * up instead (see
+// amx_store_silu): the activation in the epilogue, no intermediate written and read back.
 
 struct TileConfig {
   uint8_t palette_id = 1;
@@ -918,9 +924,17 @@ static inline void amx_dot(const at::BFloat16* a0, const at::BFloat16* a1, const
   }
 }
 
+// The gated form (gate_up's weights packed with gate and up blocks alternating): the pair's
+// two column blocks are 16 outputs' gate and up, rounded to bf16 as a separate projection's
+// output would be, and out gets silu(gate) * up, as silu_and_mul would write it.
+static inline void amx_store_silu(const float (*c)[16], int rows, at::BFloat16* out, int64_t n) {
+  for (int r = 0; r < rows; ++r)
+    store_bf16x16(out + r * n, silu_mul16(round_bf16x16(_mm512_load_ps(c[r])), round_bf16x16(_mm512_load_ps(c[16 + r]))));
+}
+
 static void linear_amx_kernel(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* out,
-                              int64_t m, int64_t n, int64_t k) {
-  const int64_t kb = k / 32, blocks = (m + 15) / 16;
+                              int64_t m, int64_t n, int64_t k, bool gated) {
+  const int64_t kb = k / 32, blocks = (m + 15) / 16, out_cols = gated ? n / 2 : n;
   const int tail = m % 16;
   std::vector<at::BFloat16> pad(tail ? 16 * k : 0, at::BFloat16(0.f));
   if (tail) std::memcpy(pad.data(), x + (m - tail) * k, tail * k * sizeof(at::BFloat16));
@@ -933,16 +947,20 @@ static void linear_amx_kernel(const at::BFloat16* x, const at::BFloat16* w, cons
       const at::BFloat16* w0 = w + 2 * p * kb * 512;
       const at::BFloat16* w1 = w0 + kb * 512;
       const at::BFloat16* bias_p = bias ? bias + p * 32 : nullptr;
-      at::BFloat16* out_p = out + p * 32;
+      at::BFloat16* out_p = out + p * (gated ? 16 : 32);
+      auto emit = [&](const float (*cb)[16], int64_t b) {
+        if (gated) amx_store_silu(cb, count(b), out_p + b * 16 * out_cols, out_cols);
+        else amx_store_rows(cb, count(b), bias_p, out_p + b * 16 * out_cols, out_cols);
+      };
       int64_t b = 0;
       for (; b + 1 < blocks; b += 2) {
         amx_dot<2>(rows_of(b), rows_of(b + 1), w0, w1, kb, k, c);
-        amx_store_rows(c[0], count(b), bias_p, out_p + b * 16 * n, n);
-        amx_store_rows(c[1], count(b + 1), bias_p, out_p + (b + 1) * 16 * n, n);
+        emit(c[0], b);
+        emit(c[1], b + 1);
       }
       if (b < blocks) {  // an odd block left
         amx_dot<1>(rows_of(b), nullptr, w0, w1, kb, k, c);
-        amx_store_rows(c[0], count(b), bias_p, out_p + b * 16 * n, n);
+        emit(c[0], b);
       }
     }
     _tile_release();
@@ -959,7 +977,7 @@ bool linear_amx_available() {
 #endif
 }
 
-torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool silu_mul) {
   TORCH_CHECK(linear_amx_available(), "linear_amx needs a CPU with AMX-BF16 that this process may use");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear_amx takes bf16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0 && packed.size(2) == 16 && packed.size(3) == 32 && packed.is_contiguous(),
@@ -970,16 +988,18 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const int64_t m = x.numel() / k;
   torch::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(!silu_mul, "linear_amx's silu_mul form takes no bias");
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == n, "bias must be [out_features] in bf16");
     bias_c = bias->contiguous();
   }
   auto sizes = x.sizes().vec();
-  sizes.back() = n;
+  sizes.back() = silu_mul ? n / 2 : n;
   auto out = torch::empty(sizes, x.options());
 #if defined(HAVE_AMX)
   if (m > 0)
     linear_amx_kernel(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
-                      bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(), m, n, k);
+                      bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(), m, n, k,
+                      silu_mul);
 #endif
   return out;
 }
@@ -1090,8 +1110,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv, "q and k rotated, k and v into their cache slots, from the fused qkv (CPU)");
   m.def("linear_small_bf16", &linear_small_bf16, "whether linear_small takes bf16 weights of this input width here");
   m.def("linear_amx_available", &linear_amx_available, "whether linear_amx runs here (AMX-BF16, allowed by the OS)");
-  m.def("linear_amx", &linear_amx, "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx (CPU)", py::arg("x"),
-        py::arg("packed"), py::arg("bias") = py::none());
+  m.def("linear_amx", &linear_amx,
+        "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx; silu_mul: silu(gate) * up of a gate_up "
+        "weight packed with gated=True (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false);
   m.def("linear_small", &linear_small, "x @ w.T + bias for a few rows of x, fp32 or bf16 (CPU)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
 }

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kernels
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
-from inference.engine.models.llama import Linear, LlamaModel, ModelConfig, random_tensors
+from inference.engine.models.llama import GateUp, Linear, LlamaModel, ModelConfig, random_tensors
 from inference.engine.sequence import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
 from kernels.activation import silu_and_mul_ref
@@ -315,6 +315,33 @@ def test_linear_amx_matches_f_linear_or_says_why_not(rows, out_features, in_feat
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     # Both sum in fp32 and round once: an fp32 sum in another order lands a bf16 ulp apart at most.
     torch.testing.assert_close(out, F.linear(x, w, bias), **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_linear_amx_gated_form_matches_projection_then_silu_and_mul(rows, ext):
+    # gate_up packed gated: silu(gate) * up straight from the tiles equals the projection's bf16
+    # output through the compiled silu_and_mul, bit for bit (same sums, same roundings).
+    g = gen(rows)
+    inter, hidden = 96, 64
+    w = (torch.randn(2 * inter, hidden, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    if not ext.linear_amx_available():
+        assert kernels.gated_linear_for(w) is None
+        return
+    run, limit = kernels.gated_linear_for(w)
+    assert limit == kernels.linear.AMX_ROWS
+    out = run(x)
+    assert out.shape == (rows, inter)
+    assert torch.equal(out, ext.silu_and_mul(ext.linear_amx(x, kernels.linear.pack_amx(w))))
+    torch.testing.assert_close(out, silu_and_mul_ref(F.linear(x, w)), **tolerance(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="no bias"):
+        ext.linear_amx(x, kernels.linear.pack_amx(w, gated=True), torch.zeros(2 * inter, dtype=torch.bfloat16), True)
+    # The model's GateUp: the fused pass up to the limit, projection + silu_and_mul past it.
+    layer = GateUp(w, ext.silu_and_mul)
+    assert layer.fused_rows == limit and layer.linear.small is None
+    for n in (rows, limit + 1):
+        xn = torch.randn(n, hidden, generator=gen(n)).to(torch.bfloat16)
+        torch.testing.assert_close(layer(xn), silu_and_mul_ref(F.linear(xn, w)), **tolerance(torch.bfloat16))
 
 
 def test_linear_amx_rejects_what_it_cannot_take(ext):

@@ -106,7 +106,7 @@ class Linear:
     64 tokens), where `F.linear` ran the tall, thin lm_head at 43 GFLOP/s.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False, few_rows: bool = True):
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
@@ -117,7 +117,7 @@ class Linear:
             except (RuntimeError, AttributeError):  # an older oneDNN without it: plain matmul
                 self.packed = None
         # A step of a few tokens streams the weights: a kernel that reads them at full speed.
-        few = kernels.small_linear_for(weight)
+        few = kernels.small_linear_for(weight) if few_rows else None
         self.small, self.small_rows = few if few is not None else (None, 0)
         if self.packed is not None and not keep_weight:
             # Only F.linear reads the plain layout, and oneDNN's packed copy replaces it: let it go
@@ -131,6 +131,25 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class GateUp:
+    """A SwiGLU's input half, silu(x @ gate.T) * (x @ up.T), from gate and up stacked into one
+    weight. Where linear_amx applies, a decode step's rows take both projections and the
+    activation in one pass (bf16 on AMX); otherwise, and for long prefill chunks, one fused
+    projection and the backend's silu_and_mul."""
+
+    def __init__(self, weight: torch.Tensor, silu_and_mul):
+        fused = kernels.gated_linear_for(weight)
+        self.fused, self.fused_rows = fused if fused is not None else (None, 0)
+        # With the fused path, the plain projection only serves long chunks: oneDNN's.
+        self.linear = Linear(weight, few_rows=fused is None)
+        self.silu_and_mul = silu_and_mul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.fused_rows:
+            return self.fused(x)
+        return self.silu_and_mul(self.linear(x))
 
 
 class LlamaModel(torch.nn.Module):
@@ -149,6 +168,7 @@ class LlamaModel(torch.nn.Module):
                 raise ValueError(f"weight {name!r} missing from the checkpoint") from None
             return t.to(device=device, dtype=dtype).contiguous()
 
+        self.ops = kernels.ops_for(device, dtype)
         self.embed = take("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = Linear(self.embed if tied else take("lm_head.weight"), keep_weight=True)
@@ -164,7 +184,7 @@ class LlamaModel(torch.nn.Module):
                     "qkv": Linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias),
                     "o": Linear(take(attn + "o_proj.weight")),
                     "post_norm": take(p + "post_attention_layernorm.weight"),
-                    "gate_up": Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    "gate_up": GateUp(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]), self.ops.silu_and_mul),
                     "down": Linear(take(p + "mlp.down_proj.weight")),
                 }
             )
@@ -175,7 +195,6 @@ class LlamaModel(torch.nn.Module):
         self.rope_cos = freqs.cos().to(device)
         self.rope_sin = freqs.sin().to(device)
         self.scale = config.head_dim**-0.5
-        self.ops = kernels.ops_for(device, dtype)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.norm]
@@ -184,6 +203,7 @@ class LlamaModel(torch.nn.Module):
         count = 0
         for layer in self.layers:
             for part in layer.values():
+                part = part.linear if isinstance(part, GateUp) else part
                 if isinstance(part, Linear):
                     count += part.out_features * part.in_features
                     tensors += [part.bias] if part.bias is not None else []
@@ -217,7 +237,7 @@ class LlamaModel(torch.nn.Module):
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             hidden = layer["o"](attn.view(n, -1))
             x, residual = ops.add_rms_norm(hidden, residual, layer["post_norm"], eps)
-            hidden = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
+            hidden = layer["down"](layer["gate_up"](x))
         out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 
