@@ -29,8 +29,9 @@ from kernels.dispatch import backend_name
 # EPYC, even at 32. bf16 without AMX: at one row only (1.46x and 1.58x on a 2-core Xeon,
 # where oneDNN's one-row path ran slower than its two-row one; from two rows on, runs disagreed).
 SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 1}
-# linear_amx: 1.2-1.7x oneDNN from 1 to 512 rows and 1.45x at 1024 on a 2-core AMX Xeon,
-# but 0.66x at 2048, where oneDNN blocks for the cache and this kernel rereads x per 32 outputs.
+# linear_amx on a 2-core AMX Xeon, over SmolLM2's weights: 1.2-1.7x oneDNN at 1-64 rows;
+# at 128-512 rows 1.2-1.3x for the layers and about even with the tall lm_head included;
+# 0.66x at 2048, where oneDNN blocks for the cache and this kernel rereads x per 32 outputs.
 AMX_ROWS = 512
 
 FewRows = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
