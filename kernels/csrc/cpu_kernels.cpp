@@ -935,9 +935,10 @@ static inline void amx_store_silu(const float (*c)[16], int rows, at::BFloat16* 
     store_bf16x16(out + r * n, silu_mul16(round_bf16x16(_mm512_load_ps(c[r])), round_bf16x16(_mm512_load_ps(c[16 + r]))));
 }
 
+template <bool GATED>
 static void linear_amx_kernel(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* out,
-                              int64_t m, int64_t n, int64_t k, bool gated) {
-  const int64_t kb = k / 32, blocks = (m + 15) / 16, out_cols = gated ? n / 2 : n;
+                              int64_t m, int64_t n, int64_t k) {
+  const int64_t kb = k / 32, blocks = (m + 15) / 16, out_cols = GATED ? n / 2 : n;
   const int tail = m % 16;
   std::vector<at::BFloat16> pad(tail ? 16 * k : 0, at::BFloat16(0.f));
   if (tail) std::memcpy(pad.data(), x + (m - tail) * k, tail * k * sizeof(at::BFloat16));
@@ -950,9 +951,9 @@ static void linear_amx_kernel(const at::BFloat16* x, const at::BFloat16* w, cons
       const at::BFloat16* w0 = w + 2 * p * kb * 512;
       const at::BFloat16* w1 = w0 + kb * 512;
       const at::BFloat16* bias_p = bias ? bias + p * 32 : nullptr;
-      at::BFloat16* out_p = out + p * (gated ? 16 : 32);
+      at::BFloat16* out_p = out + p * (GATED ? 16 : 32);
       auto emit = [&](const float (*cb)[16], int64_t b) {
-        if (gated) amx_store_silu(cb, count(b), out_p + b * 16 * out_cols, out_cols);
+        if constexpr (GATED) amx_store_silu(cb, count(b), out_p + b * 16 * out_cols, out_cols);
         else amx_store_rows(cb, count(b), bias_p, out_p + b * 16 * out_cols, out_cols);
       };
       int64_t b = 0;
@@ -999,10 +1000,12 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<to
   sizes.back() = silu_mul ? n / 2 : n;
   auto out = torch::empty(sizes, x.options());
 #if defined(HAVE_AMX)
-  if (m > 0)
-    linear_amx_kernel(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
-                      bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(), m, n, k,
-                      silu_mul);
+  if (m > 0) {
+    const at::BFloat16 *xp = x.data_ptr<at::BFloat16>(), *wp = packed.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr;
+    if (silu_mul) linear_amx_kernel<true>(xp, wp, bp, out.data_ptr<at::BFloat16>(), m, n, k);
+    else linear_amx_kernel<false>(xp, wp, bp, out.data_ptr<at::BFloat16>(), m, n, k);
+  }
 #endif
   return out;
 }
