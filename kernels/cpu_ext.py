@@ -22,6 +22,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# How the extension is compiled (bench/kernels_ab.py builds other revisions the same way).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -62,8 +65,8 @@ def load():
                 _module = build(
                     name=_build_name(),
                     sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS,
                     verbose=False,
                 )
             except Exception as exc:  # no compiler, no ninja, odd platform: the reference still works
