@@ -598,6 +598,16 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return x;
 }
 
+// A step's cache slots as contiguous int64, each checked to lie inside the cache (a
+// negative slot is a token that owns none and is skipped by the caller).
+static torch::Tensor checked_slots(torch::Tensor slots, const torch::Tensor& cache) {
+  slots = slots.to(torch::kLong).contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t) TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
+  return slots;
+}
+
 // rotary_write_kv: a fused q/k/v projection's output row per token ([heads | kv_heads |
 // kv_heads] x dim) in one pass: q rotated into a new [tokens, heads, dim], k rotated and v
 // copied straight into the token's cache slot (a negative slot skips both). In the model
@@ -635,10 +645,8 @@ torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
   qkv = qkv.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  slots = slots.to(torch::kLong).contiguous();
+  slots = checked_slots(slots, k_cache);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
   auto q = torch::empty({tokens, num_heads, dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_write_kv", [&] {
     rotary_write_kv_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
@@ -1089,10 +1097,9 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   // Rows may be strided (value is a column slice of the fused qkv output); each row's heads must be contiguous.
   if (key.stride(2) != 1 || key.stride(1) != key.size(2)) key = key.contiguous();
   if (value.stride(2) != 1 || value.stride(1) != value.size(2)) value = value.contiguous();
-  slots = slots.to(torch::kLong).contiguous();
-  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2), num_slots = k_cache.size(0) * k_cache.size(1);
+  slots = checked_slots(slots, k_cache);
+  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
   const int64_t bytes = row * key.element_size();
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
