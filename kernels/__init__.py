@@ -18,7 +18,7 @@ from kernels.activation import silu_and_mul, silu_and_mul_impl
 from kernels.argmax import argmax_rows
 from kernels.dispatch import backend_name
 from kernels.kv_cache import rotary_write_kv, rotary_write_kv_impl, write_kv, write_kv_impl
-from kernels.linear import SMALL_ROWS, gated_linear_for, small_linear_for
+from kernels.linear import ALL_ROWS, SMALL_ROWS, gated_linear_for, small_linear_for
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_impl, rms_norm, rms_norm_impl
 from kernels.rotary import apply_rotary, apply_rotary_impl
@@ -50,6 +50,7 @@ def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> Ops:
 
 
 __all__ = [
+    "ALL_ROWS",
     "Ops",
     "PagedAttentionMetadata",
     "SMALL_ROWS",

@@ -9,7 +9,9 @@ weights stream from memory. On CPU:
   8-13 GB/s at 2-64 rows where it reads them at 16-24 (bench/linear_small.py);
 - fp32, and bf16 with AVX512-BF16 but no AMX: the compiled `linear_small`, up to
   SMALL_ROWS[dtype] rows: fp32 at nearly the machine's read bandwidth, where oneDNN
-  and MKL reached about half of it.
+  and MKL reached about half of it;
+- bf16 on an AVX-512 CPU without native bf16 (AVX512-BF16 or AMX): `linear_small` for
+  every row count (ALL_ROWS), since oneDNN's emulated bf16 GEMM is slower still.
 
 Larger batches (long prefill chunks) stay with oneDNN's packed GEMM. CUDA keeps
 cuBLAS: `small_linear_for` returns None there.
@@ -33,6 +35,11 @@ SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 1}
 # at 128-512 rows 1.2-1.3x for the layers and about even with the tall lm_head included;
 # 0.66x at 2048, where oneDNN blocks for the cache and this kernel rereads x per 32 outputs.
 AMX_ROWS = 512
+# bf16 where the CPU has AVX-512 but not AVX512-BF16: oneDNN emulates bf16 at ~57 GFLOP/s on
+# a 2-core Ice Lake Xeon whatever the rows, where linear_small's dot of widened pairs ran
+# SmolLM2's layers and lm_head 1.7-2.5x faster at 2-48 rows and 1.3-2.4x at 64-2048: it takes
+# every row count, and no oneDNN copy of the weights is made.
+ALL_ROWS = 1 << 62
 
 FewRows = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -77,9 +84,9 @@ def gated_linear_for(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], tor
 
 def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
     """The compiled few-rows linear for this weight, as (run(x, bias), the most rows of x it
-    should take), or None where none applies: not CPU, neither fp32 nor bf16, bf16 on a
-    CPU with neither AMX nor AVX512-BF16 (or shapes they do not cover), KERNELS=reference
-    or triton, the extension did not build."""
+    should take, ALL_ROWS for every count), or None where none applies: not CPU, neither
+    fp32 nor bf16, bf16 on a CPU without AVX-512 (or shapes the kernels do not cover),
+    KERNELS=reference or triton, the extension did not build."""
     if weight.device.type != "cpu" or weight.dtype not in SMALL_ROWS or weight.dim() != 2 or not weight.is_contiguous():
         return None
     if backend_name() not in ("auto", "cpu"):
@@ -90,6 +97,10 @@ def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
     if _amx_module(weight) is not None:
         packed = pack_amx(weight)
         return (lambda x, bias: module.linear_amx(x, packed, bias)), AMX_ROWS
-    if weight.dtype == torch.bfloat16 and not module.linear_small_bf16(weight.shape[1]):
-        return None
-    return (lambda x, bias: module.linear_small(x, weight, bias)), SMALL_ROWS[weight.dtype]
+    rows = SMALL_ROWS[weight.dtype]
+    if weight.dtype == torch.bfloat16:
+        if not module.linear_small_bf16(weight.shape[1]):
+            return None
+        if not module.bf16_native():
+            rows = ALL_ROWS
+    return (lambda x, bias: module.linear_small(x, weight, bias)), rows

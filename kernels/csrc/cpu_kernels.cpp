@@ -46,13 +46,16 @@ static inline void softmax_block(float* sh, int64_t n, float& m, float& l, float
   for (int64_t t = 0; t < n; ++t) l += sh[t];
 }
 
-#if defined(__AVX512BF16__)
-// bf16 fast path (AVX512-BF16, head_dim a multiple of 32): vdpbf16ps dots the cache's bf16
-// pairs in fp32 directly. Sixteen keys are dotted side by side and reduced together (one
-// transposed reduction instead of a horizontal one per key and head: those were most of the
-// work), the softmax runs sixteen exponentials at a time, and the value accumulators stay in
-// registers across a block. 64 sequences x 300 tokens, 30 layers, 2 threads, on a 2-core
-// Xeon with AMX: 44.5 ms before, when each key's dot was reduced on its own.
+#if defined(__AVX512F__)
+// AVX-512 fast path (fp32 or bf16 caches, head_dim a multiple of 32). Sixteen keys are dotted
+// side by side and reduced together (one transposed reduction instead of a horizontal one per
+// key and head: those were most of the work), the softmax runs sixteen exponentials at a time,
+// and the value accumulators stay in registers across a block. With AVX512-BF16, vdpbf16ps
+// dots a bf16 cache's pairs in fp32 directly; without it, bf16 widens to fp32 by a shift.
+// 64 sequences x 300 tokens, 30 layers, 2 threads, on a 2-core Xeon with AMX: 44.5 ms before,
+// when each key's dot was reduced on its own. 64 x 250 tokens on a 2-core Ice Lake Xeon
+// (AVX-512, no BF16): fp32 87 ns per token and layer with the caches in L3 on the AVX2 path
+// of eight keys at a time, bf16 216 ns on the scalar loop.
 
 // lane i of the result = the sum of the lanes of a[i].
 static inline __m512 transpose_sum16(__m512* a) {
@@ -86,37 +89,6 @@ static inline __m512 exp16(__m512 x) {
 
 static inline __mmask16 first_lanes(int64_t k) { return k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << k) - 1); }
 
-// Scaled scores of n keys (token_stride apart) against `group` query heads:
-// s[g * block_size + t]. Sixteen keys go together while the block still holds sixteen
-// slots from t (the slots past n hold whatever they hold; their lanes are dropped).
-static inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, float* s, int64_t n, int64_t group,
-                               int64_t head_dim, int64_t token_stride, int64_t block_size, float scale) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < group; ++g) {
-    const at::BFloat16* qp = q + g * head_dim;
-    float* sg = s + g * block_size;
-    int64_t t = 0;
-    for (; t < n && t + 16 <= block_size; t += 16) {
-      const at::BFloat16* kp = kb + t * token_stride;
-      __m512 a[16];
-      for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < head_dim; c += 32) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + c);
-        for (int i = 0; i < 16; ++i)
-          a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512(kp + i * token_stride + c));
-      }
-      _mm512_mask_storeu_ps(sg + t, first_lanes(n - t), _mm512_mul_ps(transpose_sum16(a), vscale));
-    }
-    for (; t < n; ++t) {
-      const at::BFloat16* kp = kb + t * token_stride;
-      __m512 dot = _mm512_setzero_ps();
-      for (int64_t c = 0; c < head_dim; c += 32)
-        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qp + c), (__m512bh)_mm512_loadu_si512(kp + c));
-      sg[t] = _mm512_reduce_add_ps(dot) * scale;
-    }
-  }
-}
-
 // One block of the online softmax for one head, as softmax_block, sixteen scores at a time.
 static inline void softmax_block16(float* sh, int64_t n, float& m, float& l, float* acc, int64_t head_dim) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -146,8 +118,22 @@ static inline __m512 load_bf16x16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
+
 // Rounded to bf16 to nearest even, as static_cast<at::BFloat16> rounds (NaN aside).
-static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline __m256i to_bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  // c10's rounding: add 0x7FFF plus the kept part's lowest bit, keep the top half; NaN stays NaN.
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(top);
+#endif
+}
 
 static inline void store_bf16x16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v));
@@ -158,12 +144,40 @@ static inline __m512 round_bf16x16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
 }
 
+// Scores of n keys (token_stride apart) against `group` query heads (qf: fp32, already
+// scaled): s[g * block_size + t], sixteen keys at a time as scores_bf16 below does them.
+template <typename T>
+static inline void scores16(const float* qf, const T* kb, float* s, int64_t n, int64_t group, int64_t head_dim,
+                            int64_t token_stride, int64_t block_size) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qp = qf + g * head_dim;
+    float* sg = s + g * block_size;
+    int64_t t = 0;
+    for (; t < n && t + 16 <= block_size; t += 16) {
+      const T* kp = kb + t * token_stride;
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 16) {
+        const __m512 qv = _mm512_loadu_ps(qp + c);
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qv, load16(kp + i * token_stride + c), a[i]);
+      }
+      _mm512_mask_storeu_ps(sg + t, first_lanes(n - t), transpose_sum16(a));
+    }
+    for (; t < n; ++t) {
+      const T* kp = kb + t * token_stride;
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qp + c), load16(kp + c), dot);
+      sg[t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+}
+
 // acc[g] += sum_t p[g][t] * v[t] for G query heads, 32 dimensions per pass. G is a
 // compile-time constant so the 2G accumulators stay in registers: with a run-time head
 // count the compiler kept them on the stack and every FMA waited on a store.
-template <int G>
-static inline void values_bf16_heads(const at::BFloat16* vb, const float* s, float* acc, int64_t n, int64_t head_dim,
-                                     int64_t token_stride, int64_t block_size) {
+template <int G, typename T>
+static inline void values_heads16(const T* vb, const float* s, float* acc, int64_t n, int64_t head_dim,
+                                  int64_t token_stride, int64_t block_size) {
   for (int64_t c = 0; c < head_dim; c += 32) {
     __m512 r[G][2];
     for (int g = 0; g < G; ++g) {
@@ -171,8 +185,8 @@ static inline void values_bf16_heads(const at::BFloat16* vb, const float* s, flo
       r[g][1] = _mm512_loadu_ps(acc + g * head_dim + c + 16);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const at::BFloat16* vp = vb + t * token_stride + c;
-      const __m512 v0 = load_bf16x16(vp), v1 = load_bf16x16(vp + 16);
+      const T* vp = vb + t * token_stride + c;
+      const __m512 v0 = load16(vp), v1 = load16(vp + 16);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(s[g * block_size + t]);
         r[g][0] = _mm512_fmadd_ps(p, v0, r[g][0]);
@@ -186,16 +200,50 @@ static inline void values_bf16_heads(const at::BFloat16* vb, const float* s, flo
   }
 }
 
-static inline void values_bf16(const at::BFloat16* vb, const float* s, float* acc, int64_t n, int64_t group,
-                               int64_t head_dim, int64_t token_stride, int64_t block_size) {
+template <typename T>
+static inline void values16(const T* vb, const float* s, float* acc, int64_t n, int64_t group, int64_t head_dim,
+                            int64_t token_stride, int64_t block_size) {
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const float* sg = s + g0 * block_size;
     float* ag = acc + g0 * head_dim;
     switch (std::min<int64_t>(4, group - g0)) {
-      case 1: values_bf16_heads<1>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
-      case 2: values_bf16_heads<2>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
-      case 3: values_bf16_heads<3>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
-      default: values_bf16_heads<4>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
+      case 1: values_heads16<1>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
+      case 2: values_heads16<2>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
+      case 3: values_heads16<3>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
+      default: values_heads16<4>(vb, sg, ag, n, head_dim, token_stride, block_size); break;
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Scaled scores of n keys (token_stride apart) against `group` query heads:
+// s[g * block_size + t]. Sixteen keys go together while the block still holds sixteen
+// slots from t (the slots past n hold whatever they hold; their lanes are dropped).
+static inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, float* s, int64_t n, int64_t group,
+                               int64_t head_dim, int64_t token_stride, int64_t block_size, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    const at::BFloat16* qp = q + g * head_dim;
+    float* sg = s + g * block_size;
+    int64_t t = 0;
+    for (; t < n && t + 16 <= block_size; t += 16) {
+      const at::BFloat16* kp = kb + t * token_stride;
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + c);
+        for (int i = 0; i < 16; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512(kp + i * token_stride + c));
+      }
+      _mm512_mask_storeu_ps(sg + t, first_lanes(n - t), _mm512_mul_ps(transpose_sum16(a), vscale));
+    }
+    for (; t < n; ++t) {
+      const at::BFloat16* kp = kb + t * token_stride;
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 32)
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qp + c), (__m512bh)_mm512_loadu_si512(kp + c));
+      sg[t] = _mm512_reduce_add_ps(dot) * scale;
     }
   }
 }
@@ -334,12 +382,9 @@ static void decode_kernel(
   // A few sequences split by kv head instead, to keep every thread busy.
   const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / splits;
-#if defined(__AVX512BF16__)
-  const bool bf16_dot = std::is_same_v<T, at::BFloat16> && head_dim % 32 == 0;
-#else
-  const bool bf16_dot = false;
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  const bool simd16 = head_dim % 32 == 0;
+#elif defined(__AVX2__) && defined(__FMA__)
   const bool f32_simd = std::is_same_v<T, float> && head_dim % 32 == 0;
 #endif
   // Contexts differ in length: each thread takes a contiguous run of items holding an equal
@@ -399,20 +444,25 @@ static void decode_kernel(
           const T* kb = k_cache + block_off + (kv_first + kh) * head_dim;
           const T* vb = v_cache + block_off + (kv_first + kh) * head_dim;
           const int64_t h0 = kh * group;
+#if defined(__AVX512F__)
+          if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+            if (simd16) {
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, at::BFloat16>) {
-            if (bf16_dot) {
-              scores_bf16(q + (seq * num_heads + head_first + h0) * head_dim, kb, s.data() + h0 * block_size, n, group,
-                          head_dim, token_stride, block_size, scale);
+              if constexpr (std::is_same_v<T, at::BFloat16>)
+                scores_bf16(q + (seq * num_heads + head_first + h0) * head_dim, kb, s.data() + h0 * block_size, n, group,
+                            head_dim, token_stride, block_size, scale);
+              else
+#endif
+                scores16(qf.data() + h0 * head_dim, kb, s.data() + h0 * block_size, n, group, head_dim, token_stride,
+                         block_size);
               for (int64_t h = h0; h < h0 + group; ++h)
                 softmax_block16(s.data() + h * block_size, n, m[h], l[h], acc.data() + h * head_dim, head_dim);
-              values_bf16(vb, s.data() + h0 * block_size, acc.data() + h0 * head_dim, n, group, head_dim, token_stride,
-                          block_size);
+              values16(vb, s.data() + h0 * block_size, acc.data() + h0 * head_dim, n, group, head_dim, token_stride,
+                       block_size);
               continue;
             }
           }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__)
           if constexpr (std::is_same_v<T, float>) {
             if (f32_simd) {
               scores_f32(qf.data() + h0 * head_dim, kb, s.data() + h0 * block_size, n, group, head_dim, token_stride,
@@ -490,7 +540,7 @@ template <typename T>
 static void add_rms_norm_kernel(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim, float eps, bool add) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     // bf16, sixteen at a time (the scalar loop ran ~5 cycles per element converting).
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (dim % 16 == 0) {
@@ -554,7 +604,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // rotate-half layout; src may be dst.
 template <typename T>
 static inline void rotate_head(const T* src, T* dst, const float* c, const float* s, int64_t half) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (half % 16 == 0) {
       for (int64_t i = 0; i < half; i += 16) {
@@ -657,7 +707,7 @@ torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
 }
 
 // silu_and_mul: out[n, i] = silu(x[n, i]) * x[n, i + inter].
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // silu(a) * up, sixteen lanes in fp32.
 static inline __m512 silu_mul16(__m512 a, __m512 up) {
   const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(80.f)));
@@ -673,7 +723,7 @@ static inline __m512 silu_mul16(__m512 a, __m512 up) {
 template <typename T>
 static void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (inter % 16 == 0) {
         for (int64_t r = begin; r < end; ++r) {
@@ -764,9 +814,22 @@ static void linear_small_kernel(const float* x, const float* w, const float* bia
   });
 }
 
+#if defined(__AVX512F__)
+// acc + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i, for 32 bf16 pairs: vdpbf16ps with
+// AVX512-BF16; without it, each bf16 widened to fp32 (the even ones by a shift, the odd ones
+// by masking off their neighbour) and two FMAs. Products of bf16 values are exact in fp32.
+static inline __m512 dot_pairs_bf16(__m512 acc, __m512i a, __m512i b) {
 #if defined(__AVX512BF16__)
-// The same for bf16 (AVX512-BF16, k a multiple of 32): vdpbf16ps dots x's and the weights'
-// bf16 pairs in fp32, and each output is rounded to bf16 once, as oneDNN rounds it. On a
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)), _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+#endif
+}
+
+// The same for bf16 (AVX-512, k a multiple of 32): x's and the weights' bf16 pairs dotted in
+// fp32 (dot_pairs_bf16), and each output is rounded to bf16 once, as oneDNN rounds it. On a
 // 2-core AMX Xeon oneDNN ran a one-token pass over SmolLM2's weights 1.45x slower than
 // this (bench/linear_small.py --dtype bfloat16).
 // XS rows of x (1 or 2) against four weight rows wr[0..3]: sums[j][r].
@@ -776,11 +839,11 @@ static inline void dot_rows_bf16(const at::BFloat16* x, const at::BFloat16* cons
   for (int j = 0; j < XS; ++j)
     for (int r = 0; r < 4; ++r) a[j][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += 32) {
-    __m512bh v[XS];
-    for (int j = 0; j < XS; ++j) v[j] = (__m512bh)_mm512_loadu_si512(x + j * k + c);
+    __m512i v[XS];
+    for (int j = 0; j < XS; ++j) v[j] = _mm512_loadu_si512(x + j * k + c);
     for (int r = 0; r < 4; ++r) {
-      const __m512bh q = (__m512bh)_mm512_loadu_si512(wr[r] + c);
-      for (int j = 0; j < XS; ++j) a[j][r] = _mm512_dpbf16_ps(a[j][r], v[j], q);
+      const __m512i q = _mm512_loadu_si512(wr[r] + c);
+      for (int j = 0; j < XS; ++j) a[j][r] = dot_pairs_bf16(a[j][r], v[j], q);
     }
   }
   for (int j = 0; j < XS; ++j)
@@ -809,9 +872,9 @@ static void linear_small_bf16_kernel(const at::BFloat16* x, const at::BFloat16* 
 }
 #endif
 
-// Whether linear_small takes bf16 on this build (AVX512-BF16 and the input width a multiple of 32).
+// Whether linear_small takes bf16 on this build (AVX-512 and the input width a multiple of 32).
 bool linear_small_bf16(int64_t in_features) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   return in_features % 32 == 0;
 #else
   (void)in_features;
@@ -819,10 +882,19 @@ bool linear_small_bf16(int64_t in_features) {
 #endif
 }
 
+// Whether this build dots bf16 natively (AVX512-BF16) rather than widened to fp32.
+bool bf16_native() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || (x.scalar_type() == torch::kBFloat16 && linear_small_bf16(w.size(-1))),
-              "linear_small takes fp32, and bf16 where the CPU has AVX512-BF16 and in_features is a multiple of 32");
+              "linear_small takes fp32, and bf16 where the CPU has AVX-512 and in_features is a multiple of 32");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be a contiguous [out_features, in_features]");
   TORCH_CHECK(x.size(-1) == w.size(1), "x's last dimension must be w's in_features");
   x = x.contiguous();
@@ -835,7 +907,7 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   auto out = torch::empty(sizes, x.options());
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if (x.scalar_type() == torch::kBFloat16) {
     linear_small_bf16_kernel(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
                              bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(), m, n, k);
@@ -1032,7 +1104,7 @@ template <typename T>
 static int64_t argmax_row(const T* x, int64_t cols) {
   int64_t best = 0, c = 0;
   float top = to_f(x[0]);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (cols >= 16) {
       __m512 mx = load_bf16x16(x);
@@ -1122,6 +1194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's index of its largest value, first of ties (CPU)");
   m.def("rotary_write_kv", &rotary_write_kv, "q and k rotated, k and v into their cache slots, from the fused qkv (CPU)");
   m.def("linear_small_bf16", &linear_small_bf16, "whether linear_small takes bf16 weights of this input width here");
+  m.def("bf16_native", &bf16_native, "whether this CPU dots bf16 natively (AVX512-BF16)");
   m.def("linear_amx_available", &linear_amx_available, "whether linear_amx runs here (AMX-BF16, allowed by the OS)");
   m.def("linear_amx", &linear_amx,
         "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx; silu_mul: silu(gate) * up of a gate_up "

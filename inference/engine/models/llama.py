@@ -110,15 +110,21 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        # A step of a few tokens streams the weights: a kernel that reads them at full speed
+        # (on a CPU that emulates bf16, it takes every row count).
+        few = kernels.small_linear_for(weight) if few_rows else None
+        self.small, self.small_rows = few if few is not None else (None, 0)
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
+        if (
+            self.small_rows < kernels.ALL_ROWS
+            and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available()
+        ):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
             except (RuntimeError, AttributeError):  # an older oneDNN without it: plain matmul
                 self.packed = None
-        # A step of a few tokens streams the weights: a kernel that reads them at full speed.
-        few = kernels.small_linear_for(weight) if few_rows else None
-        self.small, self.small_rows = few if few is not None else (None, 0)
         if self.packed is not None and not keep_weight:
             # Only F.linear reads the plain layout, and oneDNN's packed copy replaces it: let it go
             # (a kernel that reads it, linear_small, keeps its own reference). With AMX's tiles
