@@ -10,8 +10,9 @@ weights stream from memory. On CPU:
 - fp32, and bf16 with AVX512-BF16 but no AMX: the compiled `linear_small`, up to
   SMALL_ROWS[dtype] rows: fp32 at nearly the machine's read bandwidth, where oneDNN
   and MKL reached about half of it;
-- bf16 on an AVX-512 CPU without native bf16 (AVX512-BF16 or AMX): `linear_small` for
-  every row count (ALL_ROWS), since oneDNN's emulated bf16 GEMM is slower still.
+- bf16 on an AVX-512 CPU without native bf16 (AVX512-BF16 or AMX): every row count
+  (ALL_ROWS), `linear_small` up to EMULATED_SMALL_ROWS and above it the weights widened
+  to fp32 for one fp32 GEMM, both faster than oneDNN's emulated bf16 GEMM.
 
 Larger batches (long prefill chunks) stay with oneDNN's packed GEMM. CUDA keeps
 cuBLAS: `small_linear_for` returns None there.
@@ -37,9 +38,12 @@ SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 1}
 AMX_ROWS = 512
 # bf16 where the CPU has AVX-512 but not AVX512-BF16: oneDNN emulates bf16 at ~57 GFLOP/s on
 # a 2-core Ice Lake Xeon whatever the rows, where linear_small's dot of widened pairs ran
-# SmolLM2's layers and lm_head 1.7-2.5x faster at 2-48 rows and 1.3-2.4x at 64-2048: it takes
-# every row count, and no oneDNN copy of the weights is made.
+# SmolLM2's layers and lm_head 1.7-2.5x faster at 2-48 rows. Past ~64-96 rows the same
+# weights widened to fp32 (a pass over them per call) and one fp32 GEMM win instead: 1.2-2.5x
+# linear_small at 128-2048 rows for the layers (135-217 GFLOP/s), 0.6x at 64. Every row count
+# is taken, and no oneDNN copy of the weights is made.
 ALL_ROWS = 1 << 62
+EMULATED_SMALL_ROWS = 96
 
 FewRows = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -97,10 +101,22 @@ def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
     if _amx_module(weight) is not None:
         packed = pack_amx(weight)
         return (lambda x, bias: module.linear_amx(x, packed, bias)), AMX_ROWS
-    rows = SMALL_ROWS[weight.dtype]
     if weight.dtype == torch.bfloat16:
         if not module.linear_small_bf16(weight.shape[1]):
             return None
         if not module.bf16_native():
-            rows = ALL_ROWS
-    return (lambda x, bias: module.linear_small(x, weight, bias)), rows
+            return _emulated_bf16_linear(module, weight), ALL_ROWS
+    return (lambda x, bias: module.linear_small(x, weight, bias)), SMALL_ROWS[weight.dtype]
+
+
+def _emulated_bf16_linear(module, weight: torch.Tensor) -> FewRows:
+    """x @ weight.T (+ bias) in bf16 on a CPU without bf16 arithmetic, any rows: fp32 sums
+    of the exact bf16 products, rounded to bf16 once, as a bf16 GEMM's are."""
+
+    def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= EMULATED_SMALL_ROWS:
+            return module.linear_small(x, weight, bias)
+        wide_bias = None if bias is None else bias.float()
+        return torch.nn.functional.linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
+
+    return run
