@@ -832,9 +832,9 @@ static inline __m512 dot_pairs_bf16(__m512 acc, __m512i a, __m512i b) {
 // fp32 (dot_pairs_bf16), and each output is rounded to bf16 once, as oneDNN rounds it. On a
 // 2-core AMX Xeon oneDNN ran a one-token pass over SmolLM2's weights 1.45x slower than
 // this (bench/linear_small.py --dtype bfloat16).
-// XS rows of x (1 or 2) against four weight rows wr[0..3]: sums[j][r].
+// XS rows of x (1 to 4) against four weight rows wr[0..3]: sums[j][r].
 template <int XS>
-static inline void dot_rows_bf16(const at::BFloat16* x, const at::BFloat16* const* wr, int64_t k, float sums[2][4]) {
+static inline void dot_rows_bf16(const at::BFloat16* x, const at::BFloat16* const* wr, int64_t k, float sums[4][4]) {
   __m512 a[XS][4];
   for (int j = 0; j < XS; ++j)
     for (int r = 0; r < 4; ++r) a[j][r] = _mm512_setzero_ps();
@@ -852,17 +852,27 @@ static inline void dot_rows_bf16(const at::BFloat16* x, const at::BFloat16* cons
 
 static void linear_small_bf16_kernel(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
                                      at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX512BF16__)
+  constexpr int X_ROWS = 2;
+#else
+  // Widening costs two ops per loaded vector: four rows of x share each widened weight vector.
+  constexpr int X_ROWS = 4;
+#endif
   at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t begin, int64_t end) {
     for (int64_t quad = begin; quad < end; ++quad) {
       const int64_t r0 = quad * 4, rows = std::min<int64_t>(4, n - r0);
       // Past the last weight row, repeat it: its sums are computed and dropped.
       const at::BFloat16* wr[4];
       for (int64_t r = 0; r < 4; ++r) wr[r] = w + (r0 + std::min(r, rows - 1)) * k;
-      for (int64_t i = 0; i < m; i += 2) {
-        const int64_t xs = std::min<int64_t>(2, m - i);
-        float sums[2][4];
-        if (xs == 2) dot_rows_bf16<2>(x + i * k, wr, k, sums);
-        else dot_rows_bf16<1>(x + i * k, wr, k, sums);
+      for (int64_t i = 0; i < m; i += X_ROWS) {
+        const int64_t xs = std::min<int64_t>(X_ROWS, m - i);
+        float sums[4][4];
+        switch (xs) {
+          case 1: dot_rows_bf16<1>(x + i * k, wr, k, sums); break;
+          case 2: dot_rows_bf16<2>(x + i * k, wr, k, sums); break;
+          case 3: dot_rows_bf16<3>(x + i * k, wr, k, sums); break;
+          default: dot_rows_bf16<X_ROWS>(x + i * k, wr, k, sums); break;
+        }
         for (int64_t j = 0; j < xs; ++j)
           for (int64_t r = 0; r < rows; ++r)
             out[(i + j) * n + r0 + r] = static_cast<at::BFloat16>(sums[j][r] + (bias ? to_f(bias[r0 + r]) : 0.f));

@@ -277,7 +277,7 @@ def test_linear_small_matches_f_linear(rows, out_features, in_features, with_bia
     torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (13, 576), (5, 1536), (7, 24)], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_linear_small_in_bf16_matches_f_linear_or_says_why_not(rows, out_features, in_features, with_bias, ext):
