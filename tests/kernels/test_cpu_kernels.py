@@ -374,6 +374,11 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     for rows in (1, 40, 700, *((limit, limit + 1) if limit < 4096 else ())):
         x = torch.randn(rows, 32, generator=gen(rows)).to(dtype)
         torch.testing.assert_close(layer(x), F.linear(x, w), **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerance(dtype)))
+    # With a bias (Qwen2's q/k/v), on both sides of the compiled kernel's limit.
+    bias = torch.randn(64, generator=gen(2)).to(dtype)
+    for rows in (3, 700):
+        x = torch.randn(rows, 32, generator=gen(rows)).to(dtype)
+        torch.testing.assert_close(Linear(w, bias)(x), F.linear(x, w, bias), **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerance(dtype)))
     assert (layer.out_features, layer.in_features) == (64, 32)
     if emulated:  # oneDNN's copy would never be read: none is made
         assert layer.packed is None and layer.weight is w
