@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import subprocess
+import sys
 from functools import lru_cache
 
 import pytest
@@ -445,27 +447,36 @@ def test_stop_string_ends_the_request_and_is_cut_from_the_text(include):
     assert len(tokens_of(outputs)) < 30
 
 
-def test_step_sized_allocations_stop_faulting_fresh_pages_once_the_engine_runs():
-    # A CPU engine has glibc keep freed memory: a step's activations, allocated and freed
-    # every step, come back from the heap the last step left, not from freshly mapped
-    # (faulting) pages. glibc's default took three or four such steps to stop faulting for
-    # one fixed pattern (10,700 faults in the second) and never did for a real run's mix.
-    import resource
-
-    import torch
-
+_WHERE_A_STEP_SIZED_BLOCK_LIVES = """
+import ctypes, sys
+if sys.argv[1] == "engine":
+    from inference.engine.config import EngineConfig
+    from inference.engine.engine import LLMEngine
     from inference.engine.model_runner import keep_freed_memory
-
+    from tests.engine.tiny import tiny_model
     LLMEngine(EngineConfig(num_blocks=16), model=tiny_model())
     assert keep_freed_memory()  # glibc on Linux, where the suite runs
+libc = ctypes.CDLL("libc.so.6")
+libc.sbrk.restype = libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+heap_start = next(int(line.split("-")[0], 16) for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]"))
+address = libc.malloc(24 << 20)  # a step's 24-MB activation (torch's CPU allocator takes its blocks from malloc)
+heap_end = libc.sbrk(0)
+libc.free(address)
+print(heap_start <= address < heap_end, libc.sbrk(0) == heap_end)
+"""
 
-    def faults_of_one_step() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        mlp_in, mlp_out, attn = torch.ones(3 << 20), torch.ones(3 << 19), torch.ones(1 << 20)  # 12, 6, 4 MB
-        del mlp_in
-        hidden = torch.ones(5 << 20)  # 20 MB
-        del mlp_out, attn, hidden
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    faults_of_one_step()
-    assert faults_of_one_step() < 1000  # ~10,000 4-KB pages if mapped afresh
+def test_a_step_sized_block_comes_from_the_heap_and_stays_there_when_freed():
+    # A CPU engine has glibc keep freed memory: a step's activations, allocated and freed
+    # every step, come back from the heap the last step left instead of freshly mapped
+    # (faulting) pages. glibc's default maps a block this size afresh and unmaps it on
+    # free (and trims a heap whose free top grows past 128 KB), so every step faulted its
+    # activations in again: ~110,000 faults in bench/engine_throughput.py's offline run.
+    # A fresh process each: the suite's own heap and threads are nothing to count on.
+    def where_the_block_lives(setup: str) -> str:
+        code = [sys.executable, "-c", _WHERE_A_STEP_SIZED_BLOCK_LIVES, setup]
+        return subprocess.run(code, check=True, capture_output=True, text=True).stdout.strip()
+
+    assert where_the_block_lives("glibc-default") == "False True"  # mapped on its own
+    assert where_the_block_lives("engine") == "True True"  # from the heap, which keeps it when freed
