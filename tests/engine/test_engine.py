@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -476,7 +477,8 @@ def test_a_step_sized_block_comes_from_the_heap_and_stays_there_when_freed():
     # A fresh process each: the suite's own heap and threads are nothing to count on.
     def where_the_block_lives(setup: str) -> str:
         code = [sys.executable, "-c", _WHERE_A_STEP_SIZED_BLOCK_LIVES, setup]
-        return subprocess.run(code, check=True, capture_output=True, text=True).stdout.strip()
+        root = Path(__file__).resolve().parents[2]  # where `tests.engine.tiny` imports from
+        return subprocess.run(code, check=True, capture_output=True, text=True, cwd=root).stdout.strip()
 
     assert where_the_block_lives("glibc-default") == "False True"  # mapped on its own
     assert where_the_block_lives("engine") == "True True"  # from the heap, which keeps it when freed
