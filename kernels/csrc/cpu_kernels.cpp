@@ -5,6 +5,8 @@
 //   the block cache (no gather into a padded copy). Work is split over (sequence,
 //   kv head); each item streams its keys once for all query heads of its group
 //   (GQA), with an online softmax in fp32.
+// paged_prefill: bf16 prefill chunks (AVX512-BF16), causal over each sequence's cached
+//   prefix and itself, in tiles of 16 query rows with one row per vector lane.
 // add_rms_norm, rotary, silu_and_mul: one pass each instead of the 5-10 small
 //   PyTorch ops of the reference, which at batch 1 cost more than their arithmetic.
 // linear_small, linear_amx: linear layers at the few rows of a decode step, where
@@ -530,6 +532,211 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                             out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                             q.size(0), heads, kv_heads, dim, k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
   });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------
+// paged_prefill (bf16, AVX512-BF16): causal attention of prefill chunks over the paged
+// cache, each chunk's queries against its sequence's cached prefix and itself.
+// PyTorch's CPU flash attention ran SmolLM2's 9/3 heads at 45-80 GFLOP/s on a 2-core
+// AVX512-BF16 EPYC (256-token prompts: 1.1 ms a layer; 2048 tokens: 39 ms, more than the
+// layer's matmuls), called once per sequence after gathering its blocks.
+//
+// A work item is (sequence, query head, tile of 16 query rows): one row per lane, so the
+// online softmax runs down the lanes with no horizontal reductions. Keys go sixteen at a
+// time. Scores: the tile's queries are stored as bf16 pairs per lane (qp[c] lane i = row
+// i's dims 2c, 2c+1) and vdpbf16ps dots them against each key's pair c broadcast, giving a
+// key's sixteen scores in one register. Values: the probabilities are rounded to bf16 (as
+// PyTorch's flash attention does before its second GEMM) and paired by key (lane i = keys
+// 2j, 2j+1 of row i), the values paired the same way, and vdpbf16ps accumulates
+// acc[d] lane i += p[i][2j] v[2j][d] + p[i][2j+1] v[2j+1][d]. A row's result does not
+// depend on the tile or chunk it came in: the same blocks in the same order.
+#if defined(__AVX512BF16__)
+namespace prefill {
+
+constexpr int64_t ROWS = 16;  // query rows per tile, one per lane
+
+// Values are paired by _mm512_unpack{lo,hi}_epi16 within 128-bit lanes, which leaves a
+// 32-dim chunk's dims in the order 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, ...: the
+// dim that the accumulator at position p holds.
+static inline int64_t value_dim(int64_t p) { return 32 * (p / 32) + 8 * ((p % 16) / 4) + 4 * ((p % 32) / 16) + p % 4; }
+
+static inline int32_t pair_at(const at::BFloat16* p, int64_t c) {
+  int32_t v;
+  std::memcpy(&v, p + 2 * c, sizeof v);
+  return v;
+}
+
+struct Scratch {
+  std::vector<int32_t> qp;   // [head_dim / 2][16]: the tile's queries, bf16 pairs per lane
+  std::vector<int32_t> vp;   // [8][head_dim]: values paired by key, dims in value_dim order
+  std::vector<float> acc;    // [head_dim][16]: unnormalised outputs, lanes = rows
+  explicit Scratch(int64_t head_dim) : qp(head_dim / 2 * ROWS), vp(8 * head_dim), acc(head_dim * ROWS) {}
+};
+
+// One tile: rows query rows (<= 16) at positions first_pos.., of one query head, whose
+// keys and values lie at k/v (this kv head's offset already applied) + table[t / block_size]
+// * block_stride + (t % block_size) * token_stride; keys < key_end are the sequence's.
+static void tile(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16* k, const at::BFloat16* v,
+                 const int32_t* table, int64_t rows, int64_t first_pos, int64_t key_end, int64_t head_dim,
+                 int64_t token_stride, int64_t block_stride, int64_t block_size, float scale, at::BFloat16* out,
+                 int64_t out_row_stride, Scratch& sc) {
+  const int64_t pairs = head_dim / 2;
+  for (int64_t i = 0; i < ROWS; ++i) {
+    const at::BFloat16* row = q + std::min(i, rows - 1) * q_row_stride;  // padding lanes repeat the last row
+    for (int64_t c = 0; c < pairs; ++c) sc.qp[c * ROWS + i] = pair_at(row, c);
+  }
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 m = neg_inf, l = _mm512_setzero_ps();
+  // Word k of the result takes word idx[k]: keys 2j's and 2j+1's probabilities, lane by lane.
+  alignas(64) int16_t interleave[32];
+  for (int i = 0; i < 16; ++i) interleave[2 * i] = int16_t(i), interleave[2 * i + 1] = int16_t(16 + i);
+  const __m512i pair_up = _mm512_load_si512(interleave);
+  const at::BFloat16 zero_row[128] = {};  // values of keys past the sequence's end (their slots may hold NaN)
+
+  const int64_t last_key = std::min(key_end, first_pos + ROWS);  // the tile's last row sees keys < this
+  for (int64_t start = 0; start < last_key; start += 16) {
+    const at::BFloat16* kp[16];
+    const at::BFloat16* vrow[16];
+    __mmask16 visible[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t pos = start + t;
+      if (pos < key_end) {
+        const int64_t off = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+        kp[t] = k + off;
+        vrow[t] = v + off;
+      } else {
+        kp[t] = k + table[0] * block_stride;  // a real key; its lanes are masked off
+        vrow[t] = zero_row;
+      }
+      // Lane i (position first_pos + i) sees this key when pos <= first_pos + i.
+      const int64_t from = pos - first_pos;
+      visible[t] = pos >= last_key ? __mmask16(0) : from <= 0 ? __mmask16(0xFFFF) : __mmask16(0xFFFFu << from);
+    }
+    __m512 s[16];
+    for (int64_t t = 0; t < 16; t += 8) {
+      __m512 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < pairs; ++c) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(sc.qp.data() + c * ROWS);
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_set1_epi32(pair_at(kp[t + u], c)));
+      }
+      for (int u = 0; u < 8; ++u) s[t + u] = _mm512_mask_mul_ps(neg_inf, visible[t + u], a[u], vscale);
+    }
+    __m512 block_max = m;
+    for (int t = 0; t < 16; ++t) block_max = _mm512_max_ps(block_max, s[t]);
+    const __m512 rescale = exp16(_mm512_sub_ps(m, block_max));  // 1 where the maximum held
+    m = block_max;
+    l = _mm512_mul_ps(l, rescale);
+    __m512i pp[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m512 p0 = _mm512_maskz_mov_ps(visible[2 * j], exp16(_mm512_sub_ps(s[2 * j], m)));
+      const __m512 p1 = _mm512_maskz_mov_ps(visible[2 * j + 1], exp16(_mm512_sub_ps(s[2 * j + 1], m)));
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // words 0-15: p0, 16-31: p1
+      pp[j] = _mm512_permutexvar_epi16(pair_up, both);
+      // The sum takes the probabilities as rounded, so the weights used sum to l.
+      const __m512i wide0 = _mm512_slli_epi32(pp[j], 16), wide1 = _mm512_and_si512(pp[j], _mm512_set1_epi32(int(0xFFFF0000u)));
+      l = _mm512_add_ps(l, _mm512_add_ps(_mm512_castsi512_ps(wide0), _mm512_castsi512_ps(wide1)));
+    }
+    for (int j = 0; j < 8; ++j) {
+      for (int64_t c = 0; c < head_dim; c += 32) {
+        const __m512i a0 = _mm512_loadu_si512(vrow[2 * j] + c), a1 = _mm512_loadu_si512(vrow[2 * j + 1] + c);
+        _mm512_storeu_si512(sc.vp.data() + j * head_dim + c, _mm512_unpacklo_epi16(a0, a1));
+        _mm512_storeu_si512(sc.vp.data() + j * head_dim + c + 16, _mm512_unpackhi_epi16(a0, a1));
+      }
+    }
+    for (int64_t p0 = 0; p0 < head_dim; p0 += 16) {
+      __m512 r[16];
+      for (int u = 0; u < 16; ++u) r[u] = _mm512_mul_ps(_mm512_loadu_ps(sc.acc.data() + (p0 + u) * ROWS), rescale);
+      for (int j = 0; j < 8; ++j) {
+        const int32_t* vj = sc.vp.data() + j * head_dim + p0;
+        for (int u = 0; u < 16; ++u) r[u] = _mm512_dpbf16_ps(r[u], (__m512bh)pp[j], (__m512bh)_mm512_set1_epi32(vj[u]));
+      }
+      for (int u = 0; u < 16; ++u) _mm512_storeu_ps(sc.acc.data() + (p0 + u) * ROWS, r[u]);
+    }
+  }
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  alignas(64) float lanes[ROWS];
+  for (int64_t p = 0; p < head_dim; ++p) {
+    _mm512_store_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(sc.acc.data() + p * ROWS), inv));
+    const int64_t d = value_dim(p);
+    for (int64_t i = 0; i < rows; ++i) out[i * out_row_stride + d] = static_cast<at::BFloat16>(lanes[i]);
+  }
+}
+
+}  // namespace prefill
+#endif
+
+// Whether paged_prefill runs here: bf16 with AVX512-BF16, head_dim a multiple of 32 up to 128.
+bool paged_prefill_available(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return head_dim % 32 == 0 && head_dim <= 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+// Prefill rows of out (the sequences from num_decodes on; their rows of q from
+// query_start_loc[num_decodes]) for a bf16 batch; the decodes' rows are left as they are.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes, double scale,
+                            torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [tokens, heads, dim], caches [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(paged_prefill_available(q.size(2)), "paged_prefill needs AVX512-BF16 and head_dim a multiple of 32 up to 128");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+                  v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "paged_prefill takes bf16 q, caches and out");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(), "caches must be contiguous and alike");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32,
+              "block_tables, query_start_loc and seq_lens must be int32");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  const int64_t num_seqs = seq_lens.numel(), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == head_dim, "heads must be a multiple of kv heads, head_dim q's");
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs && num_decodes <= num_seqs,
+              "one block-table row and one length per sequence, and query_start_loc one longer");
+#if defined(__AVX512BF16__)
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  struct Item { int64_t seq, head, row; };
+  std::vector<Item> items;
+  for (int64_t s = num_decodes; s < num_seqs; ++s) {
+    const int64_t qlen = starts[s + 1] - starts[s];
+    TORCH_CHECK(qlen >= 0 && qlen <= lens[s] && starts[s + 1] <= q.size(0), "a chunk longer than its sequence or past q");
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < qlen; r += prefill::ROWS) items.push_back({s, h, r});
+  }
+  const auto* qd = q.data_ptr<at::BFloat16>();
+  const auto* kd = k_cache.data_ptr<at::BFloat16>();
+  const auto* vd = v_cache.data_ptr<at::BFloat16>();
+  auto* od = out.data_ptr<at::BFloat16>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  // Items alternate between threads: neighbours (the same sequence and head, one tile on)
+  // cost about the same, so each thread gets an even share of every sequence.
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    prefill::Scratch sc(head_dim);
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t i = t; i < int64_t(items.size()); i += threads) {
+        const Item& it = items[i];
+        const int64_t qlen = starts[it.seq + 1] - starts[it.seq], len = lens[it.seq];
+        const int64_t row0 = starts[it.seq] + it.row, kv = it.head / group;
+        prefill::tile(qd + row0 * q.stride(0) + it.head * head_dim, q.stride(0), kd + kv * head_dim, vd + kv * head_dim,
+                      tables + it.seq * block_tables.stride(0), std::min(prefill::ROWS, qlen - it.row),
+                      len - qlen + it.row, len, head_dim, token_stride, block_stride, block_size,
+                      static_cast<float>(scale), od + row0 * heads * head_dim + it.head * head_dim, heads * head_dim, sc);
+      }
+  });
+#endif
   return out;
 }
 
@@ -1199,6 +1406,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "keys and values into their cache slots (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention for a bf16 batch's prefill chunks, into out (CPU)");
+  m.def("paged_prefill_available", &paged_prefill_available, "whether paged_prefill runs here for this head_dim");
   m.def("add_rms_norm", &add_rms_norm, "residual add (in place) and RMSNorm (CPU)");
   m.def("rotary", &rotary, "rotary embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");

@@ -27,6 +27,7 @@ from kernels.activation import silu_and_mul_ref
 from kernels.kv_cache import rotary_write_kv_ref, write_kv_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.paged_decode import paged_decode_ref
+from kernels.paged_prefill import paged_prefill_ref
 from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 
@@ -229,6 +230,17 @@ def test_mixed_batch_paged_attention_matches_reference(block_size, heads, kv_hea
     torch.testing.assert_close(out, expected, **attention_tolerance(dtype))
 
 
+def rising_keys(cache: PagedCache, lens: list[int], block_size: int) -> torch.Tensor:
+    """The cache's keys, scaled up block by block along each sequence (0.5x to 1.5x), so that
+    the running maximum of the scores keeps rising: each new block rescales what came before."""
+    ramp = torch.ones(cache.k_cache.shape[0], 1, 1, 1)
+    for table, n in zip(cache.block_tables.tolist(), lens):
+        used = -(-n // block_size)
+        for j, block in enumerate(table[:used]):
+            ramp[block] = 0.5 + j / used
+    return (cache.k_cache * ramp).to(cache.k_cache.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sharpness", [0.0, 30.0, 400.0], ids=["flat", "peaked", "one-hot"])
 def test_paged_decode_softmax_over_extreme_score_ranges(sharpness, dtype, ext):
@@ -241,13 +253,7 @@ def test_paged_decode_softmax_over_extreme_score_ranges(sharpness, dtype, ext):
     dtype is off by; a rescale that went missing is off by orders of magnitude more."""
     lens = [1, 16, 40, 300]
     cache = PagedCache(lens, 16, 3, 64, dtype, seed=21)
-    # A sequence's later blocks hold larger keys, so the running maximum keeps rising.
-    ramp = torch.ones(cache.k_cache.shape[0], 1, 1, 1)
-    for table, n in zip(cache.block_tables.tolist(), lens):
-        used = -(-n // 16)
-        for j, block in enumerate(table[:used]):
-            ramp[block] = 0.5 + j / used
-    k_cache = (cache.k_cache * ramp if sharpness else cache.k_cache * 0 + 1).to(dtype)  # NaN stays NaN outside contexts
+    k_cache = rising_keys(cache, lens, 16) if sharpness else (cache.k_cache * 0 + 1).to(dtype)  # NaN stays NaN outside contexts
     finite_k = torch.nan_to_num(k_cache, nan=0.0)
     q = torch.randn(len(lens), 9, 64, generator=gen(22)).to(dtype)
     scale = max(sharpness, 1.0) * 64**-0.5
@@ -258,6 +264,87 @@ def test_paged_decode_softmax_over_extreme_score_ranges(sharpness, dtype, ext):
     kernel_error = (out.double() - exact).abs().max().item()
     torch_error = (torch_out.double() - exact).abs().max().item()
     assert kernel_error <= 2 * torch_error + tolerance(dtype)["atol"], (kernel_error, torch_error)
+
+
+# Prefill chunks (query length, context length): whole prompts around the 16-row tiles and the
+# block edges, chunks after a cached prefix, a 1-token chunk, a long context.
+PREFILLS = [(1, 1), (15, 15), (16, 16), (17, 17), (1, 40), (37, 100), (16, 33), (300, 300), (7, 1000), (33, 64)]
+PREFILL_SHAPES = [(9, 3, 64), (32, 8, 128), (4, 4, 32)]
+
+
+def prefill_batch(block_size: int, kv_heads: int, head_dim: int, heads: int, seed: int, decodes=(1, 17)):
+    """Two decodes first, as the runner orders them, then PREFILLS: (cache, q, meta) in bf16."""
+    lens = list(decodes) + [n for _, n in PREFILLS]
+    query_lens = [1] * len(decodes) + [lq for lq, _ in PREFILLS]
+    cache = PagedCache(lens, block_size, kv_heads, head_dim, torch.bfloat16, seed=seed)
+    q = query_slice(sum(query_lens), heads, head_dim, torch.bfloat16, seed=seed + 1)
+    return cache, q, cache.meta(query_lens, lens, len(decodes))
+
+
+def run_prefill(ext, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    """ext.paged_prefill into an output full of NaN (rows it does not write stay NaN)."""
+    out = torch.full(q.shape, math.nan, dtype=q.dtype)
+    ext.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.num_decodes, scale, out)
+    return out
+
+
+@pytest.mark.parametrize("sharpness", [0.0, 1.0, 30.0], ids=["flat", "plain", "peaked"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", PREFILL_SHAPES, ids=["9/3x64", "32/8x128", "4/4x32"])
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+def test_paged_prefill_matches_exact_attention_or_says_why_not(block_size, heads, kv_heads, head_dim, sharpness, ext, cpu_ops):
+    """The bf16 prefill kernel against the exact (fp64) attention of the same inputs: off by at
+    most twice what PyTorch's own bf16 attention is off by (both round the probabilities to
+    bf16 before the values), plus one ulp. Scores all equal; plain; sharp, with the maximum
+    rising block by block. Block size 5 splits every 16-key group over blocks. Off AVX512-BF16:
+    a clear error, never a wrong answer; the dispatcher keeps SDPA there."""
+    cache, q, meta = prefill_batch(block_size, kv_heads, head_dim, heads, seed=block_size + heads)
+    if sharpness == 0.0:
+        k_cache = (cache.k_cache * 0 + 1).to(torch.bfloat16)  # NaN stays NaN outside contexts
+    else:
+        k_cache = rising_keys(cache, list(meta.seq_lens_host), block_size) if sharpness > 1 else cache.k_cache
+    scale = sharpness * head_dim**-0.5 if sharpness else 0.37
+    if not ext.paged_prefill_available(head_dim):
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            run_prefill(ext, q, k_cache, cache.v_cache, meta, scale)
+        return
+    k_before, v_before, q_before = k_cache.clone(), cache.v_cache.clone(), q.clone()
+    out = run_prefill(ext, q, k_cache, cache.v_cache, meta, scale)
+    nd = meta.num_decodes
+    assert out[:nd].isnan().all(), "wrote the decodes' rows"
+    assert out[nd:].isfinite().all(), "read a slot outside a sequence's context, or left a row unwritten"
+    assert same_bits(k_cache, k_before) and same_bits(cache.v_cache, v_before) and same_bits(q, q_before)
+
+    finite_k = k_cache.nan_to_num(0.0)
+    torch_out = paged_prefill_ref(q, finite_k, cache.finite_v, meta, scale)[nd:].double()
+    exact = paged_prefill_ref(q.double(), finite_k.double(), cache.finite_v.double(), meta, scale)[nd:]
+    kernel_error = (out[nd:].double() - exact).abs().max().item()
+    torch_error = (torch_out - exact).abs().max().item()
+    assert kernel_error <= 2 * torch_error + torch.finfo(torch.bfloat16).eps, (kernel_error, torch_error)
+
+    # The model's dispatcher takes this kernel for bf16 batches with prefill chunks.
+    dispatched = cpu_ops(torch.bfloat16).paged_attention(q, k_cache, cache.v_cache, meta, scale)
+    assert same_bits(dispatched[nd:], out[nd:])
+
+
+def test_paged_prefill_rows_do_not_depend_on_how_the_prompt_was_chunked(ext):
+    """A prompt prefilled whole, in chunks after a cached prefix (as chunked prefill and the
+    prefix cache split it) or beside other sequences gives bit-identical rows: each row folds
+    in the same keys in the same order, so turning the prefix cache on cannot change a bf16
+    prefill's result."""
+    if not ext.paged_prefill_available(64):
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            cache, q, meta = prefill_batch(16, 3, 64, 9, seed=41)
+            run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125)
+        return
+    cache = PagedCache([100, 50], 16, 3, 64, torch.bfloat16, seed=42)
+    q = query_slice(150, 9, 64, torch.bfloat16, seed=43)
+    whole = run_prefill(ext, q[:100], cache.k_cache, cache.v_cache, cache.meta([100, 0], [100, 50], 0), 0.125)
+    assert whole.isfinite().all()
+    for cut in (1, 15, 16, 37, 99):
+        chunk = run_prefill(ext, q[cut:100], cache.k_cache, cache.v_cache, cache.meta([100 - cut, 0], [100, 50], 0), 0.125)
+        assert same_bits(chunk, whole[cut:]), f"rows differ when the prompt is cut at {cut}"
+    beside = run_prefill(ext, q, cache.k_cache, cache.v_cache, cache.meta([100, 50], [100, 50], 0), 0.125)
+    assert same_bits(beside[:100], whole)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
@@ -483,6 +570,12 @@ def test_kernels_split_over_threads(ext):
         out = ext.paged_decode(q, cache.k_cache, cache.v_cache, cache.block_tables, torch.tensor(lens, dtype=torch.int32), 0.125)
         expected = paged_decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), 0.125)
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    if ext.paged_prefill_available(64):
+        cache, q, meta = prefill_batch(16, 3, 64, 9, seed=11)
+        many = run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125)
+        torch.set_num_threads(1)
+        assert same_bits(many, run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125))
+        torch.set_num_threads(3)
     x, residual, weight = norm_inputs(129, 1823, torch.float32, seed=6)
     expected, summed = add_rms_norm_ref(x, residual, weight, 1e-5)
     torch.testing.assert_close(ext.add_rms_norm(x, residual, weight, 1e-5, True), expected, **tolerance(torch.float32))
