@@ -7,9 +7,12 @@ weights stream from memory. On CPU:
 - bf16 on a CPU with AMX: the compiled `linear_amx` over weights repacked into AMX
   tiles, up to AMX_ROWS rows: oneDNN, on AMX as well, read SmolLM2's weights at
   8-13 GB/s at 2-64 rows where it reads them at 16-24 (bench/linear_small.py);
-- fp32, and bf16 with AVX512-BF16 but no AMX: the compiled `linear_small`, up to
-  SMALL_ROWS[dtype] rows: fp32 at nearly the machine's read bandwidth, where oneDNN
-  and MKL reached about half of it;
+- fp32: the compiled `linear_small`, up to SMALL_ROWS rows, at nearly the machine's read
+  bandwidth, where oneDNN and MKL reached about half of it;
+- bf16 with AVX512-BF16 but no AMX: oneDNN at every row count. `linear_small` took one row
+  here until a 2-core AVX512-BF16 EPYC ran it 0.96x oneDNN there; and since it sums in
+  another order than oneDNN, a lone sequence's step came out a few ulps off the same row
+  in a batch, so a seeded sample could change with what else was running;
 - bf16 on an AVX-512 CPU without native bf16 (AVX512-BF16 or AMX): every row count
   (ALL_ROWS), `linear_small` up to EMULATED_SMALL_ROWS and above it the weights widened
   to fp32 for one fp32 GEMM, both faster than oneDNN's emulated bf16 GEMM.
@@ -27,11 +30,10 @@ import torch
 from kernels import cpu_ext
 from kernels.dispatch import backend_name
 
-# Up to this many rows the compiled kernel takes the step (bench/linear_small.py measures
-# where it stops paying). fp32: 1.2-2x oneDNN's packed GEMM up to 16 rows on a 2-core AVX2
-# EPYC, even at 32. bf16 without AMX: at one row only (1.46x and 1.58x on a 2-core Xeon,
-# where oneDNN's one-row path ran slower than its two-row one; from two rows on, runs disagreed).
-SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 1}
+# Up to this many rows the compiled fp32 kernel takes the step (bench/linear_small.py
+# measures where it stops paying): 1.2-2x oneDNN's packed GEMM up to 16 rows on a 2-core
+# AVX2 EPYC, even at 32.
+SMALL_ROWS = 16
 # linear_amx on a 2-core AMX Xeon, over SmolLM2's weights: 1.2-1.7x oneDNN at 1-64 rows;
 # at 128-512 rows 1.2-1.3x for the layers and about even with the tall lm_head included;
 # 0.66x at 2048, where oneDNN blocks for the cache and this kernel rereads x per 32 outputs.
@@ -89,9 +91,10 @@ def gated_linear_for(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], tor
 def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
     """The compiled few-rows linear for this weight, as (run(x, bias), the most rows of x it
     should take, ALL_ROWS for every count), or None where none applies: not CPU, neither
-    fp32 nor bf16, bf16 on a CPU without AVX-512 (or shapes the kernels do not cover),
-    KERNELS=reference or triton, the extension did not build."""
-    if weight.device.type != "cpu" or weight.dtype not in SMALL_ROWS or weight.dim() != 2 or not weight.is_contiguous():
+    fp32 nor bf16, bf16 on a CPU without AVX-512 (or shapes the kernels do not cover) or
+    with AVX512-BF16 but no AMX (oneDNN's there), KERNELS=reference or triton, the
+    extension did not build."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or not weight.is_contiguous():
         return None
     if backend_name() not in ("auto", "cpu"):
         return None
@@ -102,11 +105,10 @@ def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
         packed = pack_amx(weight)
         return (lambda x, bias: module.linear_amx(x, packed, bias)), AMX_ROWS
     if weight.dtype == torch.bfloat16:
-        if not module.linear_small_bf16(weight.shape[1]):
+        if not module.linear_small_bf16(weight.shape[1]) or module.bf16_native():
             return None
-        if not module.bf16_native():
-            return _emulated_bf16_linear(module, weight), ALL_ROWS
-    return (lambda x, bias: module.linear_small(x, weight, bias)), SMALL_ROWS[weight.dtype]
+        return _emulated_bf16_linear(module, weight), ALL_ROWS
+    return (lambda x, bias: module.linear_small(x, weight, bias)), SMALL_ROWS
 
 
 def _emulated_bf16_linear(module, weight: torch.Tensor) -> FewRows:

@@ -452,10 +452,11 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     monkeypatch.setenv("KERNELS", "auto")
     layer = Linear(w)
     amx = dtype == torch.bfloat16 and ext.linear_amx_available()
-    compiled = dtype == torch.float32 or amx or ext.linear_small_bf16(32)
-    # bf16 that the CPU only emulates: the compiled kernel takes every row count.
-    emulated = dtype == torch.bfloat16 and not amx and compiled and not ext.bf16_native()
-    limit = kernels.linear.AMX_ROWS if amx else kernels.ALL_ROWS if emulated else kernels.SMALL_ROWS[dtype]
+    # bf16 that the CPU only emulates: the compiled kernel takes every row count. bf16 with
+    # AVX512-BF16 and no AMX: oneDNN takes every row count.
+    emulated = dtype == torch.bfloat16 and not amx and ext.linear_small_bf16(32) and not ext.bf16_native()
+    compiled = dtype == torch.float32 or amx or emulated
+    limit = kernels.linear.AMX_ROWS if amx else kernels.ALL_ROWS if emulated else kernels.SMALL_ROWS
     assert (layer.small is not None) == compiled
     assert layer.small_rows == (limit if compiled else 0)
     for rows in (1, 40, 700, *((limit, limit + 1) if limit < 4096 else ())):
@@ -481,6 +482,26 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     assert Linear(w.t()).small is None and Linear(w.to(torch.float16)).small is None
     # Widths neither bf16 kernel covers (AMX tiles and the 32-wide dot both need multiples of 32).
     assert Linear(torch.randn(64, 24).to(torch.bfloat16)).small is None
+
+
+def test_a_bf16_row_comes_out_the_same_whatever_the_step_size(monkeypatch):
+    """The model's bf16 linears give a row the same bits at any decode-step size (1-64 rows)
+    and thread count, on whichever path this CPU takes: a seeded request's text must not
+    change with what else shares its steps. With the few-rows kernel at one row and oneDNN
+    from two on (different summation orders), a lone sequence's logits came out a few ulps
+    off, and a seeded `n=2` chat completion sampled another word about one run in three."""
+    monkeypatch.setenv("KERNELS", "auto")
+    g = gen(5)
+    for out_features, in_features in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(torch.bfloat16)
+        layer = Linear(w)
+        x = torch.randn(64, in_features, generator=g).to(torch.bfloat16)
+        first = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 16, 17, 64):
+                row = layer(x[:rows])[0]
+                assert same_bits(row, first.setdefault("row", row)), f"{out_features}x{in_features}: {rows} rows, {threads} threads"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
