@@ -7,7 +7,8 @@ count, with output lengths forced (ignore EOS), and is reported as ratios:
             ours vs transformers static batching (left-padded batches, only useful
             tokens counted) vs transformers continuous batching;
   batch-1   a 32-token prompt and 128 new tokens: decode tokens/s and time to first
-            token, ours vs transformers `generate` (vs llama.cpp on the same GGUF file);
+            token, ours (prefix cache off) vs transformers `generate` (vs llama.cpp on the
+            same GGUF file), each the median of five runs;
   prefix    64 requests sharing a 512-token system prompt plus 32 tokens of their own,
             16 new tokens each: time with the prefix cache on and off, and the share of
             prefill tokens the cache saved;
@@ -26,6 +27,7 @@ import json
 import multiprocessing
 from dataclasses import replace
 import random
+import statistics
 import sys
 import time
 import warnings
@@ -40,6 +42,7 @@ from inference.engine.engine import LLMEngine  # noqa: E402
 from inference.engine.loader import resolve_source  # noqa: E402
 from inference.engine.sequence import SamplingParams  # noqa: E402
 
+BATCH1_RUNS = 5  # a batch-1 run lasts about a second: each side takes the median of five
 NO_EOS = -1  # an id no token has: transformers then stops at max_new_tokens only
 
 
@@ -111,15 +114,28 @@ def ours_shared_prefix(engine_factory, vocab: int) -> dict:
     return out
 
 
+def median_run(run, runs: int = BATCH1_RUNS) -> tuple[float, float]:
+    """(decode tokens/s, time to first token), each the median of `runs` runs of run()."""
+    results = [run() for _ in range(runs)]
+    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+
+
 def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    engine.add_request("b1", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-    start = time.perf_counter()
-    first = None
-    while engine.has_unfinished():
-        if engine.step() and first is None:
-            first = time.perf_counter()
-    total = time.perf_counter() - start
-    return (new_tokens - 1) / (total - (first - start)), first - start
+    """engine must have the prefix cache off: each run computes the whole prompt, as the
+    baselines do."""
+    assert not engine.config.enable_prefix_caching
+
+    def run():
+        engine.add_request(f"b1-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        start = time.perf_counter()
+        first = None
+        while engine.has_unfinished():
+            if engine.step() and first is None:
+                first = time.perf_counter()
+        total = time.perf_counter() - start
+        return (new_tokens - 1) / (total - (first - start)), first - start
+
+    return median_run(run)
 
 
 # -- transformers --------------------------------------------------------------------------------
@@ -175,11 +191,15 @@ def hf_continuous(model, reqs) -> float:
 
 def hf_batch1(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)  # warm-up
+
+    def run():
         _, ttft = timed(lambda: model.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False))
         _, total = timed(lambda: model.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
-    return (new_tokens - 1) / (total - ttft), ttft
+        return (new_tokens - 1) / (total - ttft), ttft
+
+    with torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)  # warm-up
+        return median_run(run)
 
 
 def llama_cpp_batch1(prompt: list[int], new_tokens: int, threads: int):
@@ -208,18 +228,22 @@ def _llama_cpp_run(prompt: list[int], new_tokens: int, threads: int):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(resolve_source("SmolLM2-135M-Instruct").path), n_ctx=512, n_threads=threads, verbose=False)
-    llm.reset()
-    start = time.perf_counter()
-    first = None
-    n = 0
-    for _ in llm.generate(prompt, temp=0.0):
-        n += 1
-        if first is None:
-            first = time.perf_counter()
-        if n == new_tokens:
-            break
-    total = time.perf_counter() - start
-    return (new_tokens - 1) / (total - (first - start)), first - start
+
+    def run():
+        llm.reset()  # no prompt kept from the run before
+        start = time.perf_counter()
+        first = None
+        n = 0
+        for _ in llm.generate(prompt, temp=0.0):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if n == new_tokens:
+                break
+        total = time.perf_counter() - start
+        return (new_tokens - 1) / (total - (first - start)), first - start
+
+    return median_run(run)
 
 
 def main() -> None:
@@ -252,12 +276,13 @@ def main() -> None:
     engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # warm-up
     results["ours_offline"] = ours_offline(engine, reqs)
     print(f"ours offline: {results['ours_offline']:.1f} tok/s", flush=True)
-    results["ours_b1_tps"], results["ours_b1_ttft"] = ours_batch1(engine, b1_prompt, 128)
-    print(f"ours batch-1: {results['ours_b1_tps']:.1f} tok/s, ttft {results['ours_b1_ttft'] * 1000:.0f} ms", flush=True)
 
     def engine_with_caching(caching: bool) -> LLMEngine:
         # Same weights, a fresh cache: nothing carried over between the two runs.
         return LLMEngine(replace(engine.config, enable_prefix_caching=caching), model=engine.model, tokenizer=engine.tokenizer)
+
+    results["ours_b1_tps"], results["ours_b1_ttft"] = ours_batch1(engine_with_caching(False), b1_prompt, 128)
+    print(f"ours batch-1: {results['ours_b1_tps']:.1f} tok/s, ttft {results['ours_b1_ttft'] * 1000:.0f} ms", flush=True)
 
     results["prefix"] = ours_shared_prefix(engine_with_caching, vocab)
     print(f"shared prefix: cache on {results['prefix']['on']['seconds']:.2f} s, off {results['prefix']['off']['seconds']:.2f} s", flush=True)
@@ -276,9 +301,10 @@ def main() -> None:
     engine = LLMEngine(ours_config, model=ours_model, tokenizer=ours_tokenizer)  # a fresh cache: no prefix hits
     engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
     results["ours_offline_again"] = ours_offline(engine, reqs)
-    results["ours_b1_tps_again"], _ = ours_batch1(engine, b1_prompt, 128)
+    no_cache = LLMEngine(replace(ours_config, enable_prefix_caching=False), model=ours_model, tokenizer=ours_tokenizer)
+    results["ours_b1_tps_again"], _ = ours_batch1(no_cache, b1_prompt, 128)
     print(f"ours again: offline {results['ours_offline_again']:.1f} tok/s, batch-1 {results['ours_b1_tps_again']:.1f} tok/s", flush=True)
-    del engine, ours_model
+    del engine, no_cache, ours_model
     cpp = llama_cpp_batch1(b1_prompt, 128, threads)
     if cpp:
         results["llama_cpp_b1_tps"], results["llama_cpp_b1_ttft"] = cpp
