@@ -71,12 +71,12 @@ def _cpu_impl():
         return None
 
     def paged_attention_cpu(q, k_cache, v_cache, meta, scale):
-        # Decodes read the cache in place in C++. Prefill chunks too where the CPU dots bf16
-        # natively (the default dtype there); elsewhere they go through SDPA per sequence.
+        # Decodes read the cache in place in C++. Prefill chunks too in fp32 and bf16 on
+        # AVX-512 CPUs; elsewhere (fp16, AVX2, odd head sizes) SDPA takes them one by one.
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return ext.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        if q.dtype == torch.bfloat16 and ext.paged_prefill_available(q.shape[-1]):
+        if q.dtype in (torch.float32, torch.bfloat16) and ext.paged_prefill_available(q.dtype, q.shape[-1]):
             out = ext.paged_prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, nd, scale, q.new_empty(q.shape)
             )

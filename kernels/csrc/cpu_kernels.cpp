@@ -5,7 +5,7 @@
 //   the block cache (no gather into a padded copy). Work is split over (sequence,
 //   kv head); each item streams its keys once for all query heads of its group
 //   (GQA), with an online softmax in fp32.
-// paged_prefill: bf16 prefill chunks (AVX512-BF16), causal over each sequence's cached
+// paged_prefill: fp32 and bf16 prefill chunks (AVX-512), causal over each sequence's cached
 //   prefix and itself, in tiles of 16 query rows with one row per vector lane.
 // add_rms_norm, rotary, silu_and_mul: one pass each instead of the 5-10 small
 //   PyTorch ops of the reference, which at batch 1 cost more than their arithmetic.
@@ -536,8 +536,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 // ---------------------------------------------------------------------------------
-// paged_prefill (bf16, AVX512-BF16): causal attention of prefill chunks over the paged
-// cache, each chunk's queries against its sequence's cached prefix and itself.
+// paged_prefill (AVX-512; bf16 dotted in hardware with AVX512-BF16): causal attention of
+// prefill chunks over the paged cache, each chunk's queries against its sequence's cached
+// prefix and itself.
 // PyTorch's CPU flash attention ran SmolLM2's 9/3 heads at 45-80 GFLOP/s on a 2-core
 // AVX512-BF16 EPYC (256-token prompts: 1.1 ms a layer; 2048 tokens: 39 ms, more than the
 // layer's matmuls), called once per sequence after gathering its blocks.
@@ -551,11 +552,130 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // 2j, 2j+1 of row i), the values paired the same way, and vdpbf16ps accumulates
 // acc[d] lane i += p[i][2j] v[2j][d] + p[i][2j+1] v[2j+1][d]. A row's result does not
 // depend on the tile or chunk it came in: the same blocks in the same order.
-#if defined(__AVX512BF16__)
+//
+// fp32 caches (and bf16 ones on AVX-512 CPUs without AVX512-BF16) take the same tiles in
+// fp32 (tile_wide): each group of sixteen keys and values is widened into a scratch block
+// once, and FMAs against broadcast key and value elements replace vdpbf16ps; the
+// probabilities stay in fp32, as in SDPA's fp32 path.
+#if defined(__AVX512F__)
 namespace prefill {
 
 constexpr int64_t ROWS = 16;  // query rows per tile, one per lane
 
+struct Scratch {
+  std::vector<int32_t> qp;   // [head_dim / 2][16]: the tile's queries, bf16 pairs per lane
+  std::vector<int32_t> vp;   // [8][head_dim]: values paired by key, dims in value_dim order
+  std::vector<float> acc;    // [head_dim][16]: unnormalised outputs, lanes = rows
+  std::vector<float> qf;     // [head_dim][16]: tile_wide's queries, scaled, lanes = rows
+  std::vector<float> kf, vf;  // [16][head_dim]: tile_wide's keys and values, widened
+  std::vector<float> p;      // [16][16]: tile_wide's probabilities, a key's per row
+  explicit Scratch(int64_t head_dim)
+      : qp(head_dim / 2 * ROWS), vp(8 * head_dim), acc(head_dim * ROWS), qf(head_dim * ROWS), kf(16 * head_dim),
+        vf(16 * head_dim), p(16 * ROWS) {}
+};
+
+// Sixteen keys from position start: where each key's and value's row lies (a key past the
+// sequence points at its first key, its value at nullptr: those slots may hold NaN), and
+// which lanes (rows at positions first_pos + i) see it: pos <= first_pos + i, pos < last_key.
+template <typename T>
+static inline void keys16(const T* k, const T* v, const int32_t* table, int64_t start, int64_t first_pos,
+                          int64_t key_end, int64_t last_key, int64_t token_stride, int64_t block_stride,
+                          int64_t block_size, const T** kp, const T** vrow, __mmask16* visible) {
+  for (int64_t t = 0; t < 16; ++t) {
+    const int64_t pos = start + t;
+    if (pos < key_end) {
+      const int64_t off = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+      kp[t] = k + off;
+      vrow[t] = v + off;
+    } else {
+      kp[t] = k + table[0] * block_stride;  // a real key; its lanes are masked off
+      vrow[t] = nullptr;
+    }
+    const int64_t from = pos - first_pos;
+    visible[t] = pos >= last_key ? __mmask16(0) : from <= 0 ? __mmask16(0xFFFF) : __mmask16(0xFFFFu << from);
+  }
+}
+
+// The online softmax's step for one group of keys, lanes = rows: the running maximum m
+// rises to cover the scores s (masked lanes hold -inf); returns the factor that rescales
+// what was summed before (exactly 1 where the maximum held).
+static inline __m512 raise_max(__m512& m, const __m512* s) {
+  __m512 block_max = m;
+  for (int t = 0; t < 16; ++t) block_max = _mm512_max_ps(block_max, s[t]);
+  const __m512 rescale = exp16(_mm512_sub_ps(m, block_max));
+  m = block_max;
+  return rescale;
+}
+
+// out[i][dim(p)] = acc[p][i] / l[i] for the tile's rows.
+template <typename T, typename Dim>
+static inline void store_rows(const float* acc, __m512 l, int64_t head_dim, int64_t rows, T* out, int64_t out_row_stride,
+                              Dim dim) {
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  alignas(64) float lanes[ROWS];
+  for (int64_t p = 0; p < head_dim; ++p) {
+    _mm512_store_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(acc + p * ROWS), inv));
+    const int64_t d = dim(p);
+    for (int64_t i = 0; i < rows; ++i) out[i * out_row_stride + d] = static_cast<T>(lanes[i]);
+  }
+}
+
+// One tile in fp32: rows query rows (<= 16) at positions first_pos.. of one query head; the
+// same arguments as tile below.
+template <typename T>
+static void tile_wide(const T* q, int64_t q_row_stride, const T* k, const T* v, const int32_t* table, int64_t rows,
+                      int64_t first_pos, int64_t key_end, int64_t head_dim, int64_t token_stride, int64_t block_stride,
+                      int64_t block_size, float scale, T* out, int64_t out_row_stride, Scratch& sc) {
+  float *qf = sc.qf.data(), *kf = sc.kf.data(), *vf = sc.vf.data(), *acc = sc.acc.data(), *pb = sc.p.data();
+  for (int64_t i = 0; i < ROWS; ++i) {
+    const T* row = q + std::min(i, rows - 1) * q_row_stride;  // padding lanes repeat the last row
+    for (int64_t d = 0; d < head_dim; ++d) qf[d * ROWS + i] = to_f(row[d]) * scale;
+  }
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = neg_inf, l = _mm512_setzero_ps();
+  const int64_t last_key = std::min(key_end, first_pos + ROWS);
+  for (int64_t start = 0; start < last_key; start += 16) {
+    const T* kp[16];
+    const T* vrow[16];
+    __mmask16 visible[16];
+    keys16(k, v, table, start, first_pos, key_end, last_key, token_stride, block_stride, block_size, kp, vrow, visible);
+    for (int64_t t = 0; t < 16; ++t)
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        _mm512_storeu_ps(kf + t * head_dim + d, load16(kp[t] + d));
+        _mm512_storeu_ps(vf + t * head_dim + d, vrow[t] ? load16(vrow[t] + d) : _mm512_setzero_ps());
+      }
+    __m512 s[16];
+    for (int64_t t = 0; t < 16; t += 8) {
+      __m512 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const __m512 qv = _mm512_loadu_ps(qf + d * ROWS);
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kf[(t + u) * head_dim + d]), a[u]);
+      }
+      for (int u = 0; u < 8; ++u) s[t + u] = _mm512_mask_mov_ps(neg_inf, visible[t + u], a[u]);
+    }
+    const __m512 rescale = raise_max(m, s);
+    l = _mm512_mul_ps(l, rescale);
+    for (int t = 0; t < 16; ++t) {
+      const __m512 p = _mm512_maskz_mov_ps(visible[t], exp16(_mm512_sub_ps(s[t], m)));
+      l = _mm512_add_ps(l, p);
+      _mm512_storeu_ps(pb + t * ROWS, p);
+    }
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
+      __m512 r[8];
+      for (int u = 0; u < 8; ++u) r[u] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + u) * ROWS), rescale);
+      for (int64_t t = 0; t < 16; ++t) {
+        const __m512 p = _mm512_loadu_ps(pb + t * ROWS);
+        for (int u = 0; u < 8; ++u) r[u] = _mm512_fmadd_ps(p, _mm512_set1_ps(vf[t * head_dim + d0 + u]), r[u]);
+      }
+      for (int u = 0; u < 8; ++u) _mm512_storeu_ps(acc + (d0 + u) * ROWS, r[u]);
+    }
+  }
+  store_rows(acc, l, head_dim, rows, out, out_row_stride, [](int64_t p) { return p; });
+}
+
+#if defined(__AVX512BF16__)
 // Values are paired by _mm512_unpack{lo,hi}_epi16 within 128-bit lanes, which leaves a
 // 32-dim chunk's dims in the order 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, ...: the
 // dim that the accumulator at position p holds.
@@ -566,13 +686,6 @@ static inline int32_t pair_at(const at::BFloat16* p, int64_t c) {
   std::memcpy(&v, p + 2 * c, sizeof v);
   return v;
 }
-
-struct Scratch {
-  std::vector<int32_t> qp;   // [head_dim / 2][16]: the tile's queries, bf16 pairs per lane
-  std::vector<int32_t> vp;   // [8][head_dim]: values paired by key, dims in value_dim order
-  std::vector<float> acc;    // [head_dim][16]: unnormalised outputs, lanes = rows
-  explicit Scratch(int64_t head_dim) : qp(head_dim / 2 * ROWS), vp(8 * head_dim), acc(head_dim * ROWS) {}
-};
 
 // One tile: rows query rows (<= 16) at positions first_pos.., of one query head, whose
 // keys and values lie at k/v (this kv head's offset already applied) + table[t / block_size]
@@ -601,20 +714,8 @@ static void tile(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16
     const at::BFloat16* kp[16];
     const at::BFloat16* vrow[16];
     __mmask16 visible[16];
-    for (int64_t t = 0; t < 16; ++t) {
-      const int64_t pos = start + t;
-      if (pos < key_end) {
-        const int64_t off = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
-        kp[t] = k + off;
-        vrow[t] = v + off;
-      } else {
-        kp[t] = k + table[0] * block_stride;  // a real key; its lanes are masked off
-        vrow[t] = zero_row;
-      }
-      // Lane i (position first_pos + i) sees this key when pos <= first_pos + i.
-      const int64_t from = pos - first_pos;
-      visible[t] = pos >= last_key ? __mmask16(0) : from <= 0 ? __mmask16(0xFFFF) : __mmask16(0xFFFFu << from);
-    }
+    keys16(k, v, table, start, first_pos, key_end, last_key, token_stride, block_stride, block_size, kp, vrow, visible);
+    for (int64_t t = 0; t < 16; ++t) vrow[t] = vrow[t] ? vrow[t] : zero_row;
     __m512 s[16];
     for (int64_t t = 0; t < 16; t += 8) {
       __m512 a[8];
@@ -625,10 +726,7 @@ static void tile(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16
       }
       for (int u = 0; u < 8; ++u) s[t + u] = _mm512_mask_mul_ps(neg_inf, visible[t + u], a[u], vscale);
     }
-    __m512 block_max = m;
-    for (int t = 0; t < 16; ++t) block_max = _mm512_max_ps(block_max, s[t]);
-    const __m512 rescale = exp16(_mm512_sub_ps(m, block_max));  // 1 where the maximum held
-    m = block_max;
+    const __m512 rescale = raise_max(m, s);
     l = _mm512_mul_ps(l, rescale);
     __m512i pp[8];
     for (int j = 0; j < 8; ++j) {
@@ -657,53 +755,33 @@ static void tile(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16
       for (int u = 0; u < 16; ++u) _mm512_storeu_ps(sc.acc.data() + (p0 + u) * ROWS, r[u]);
     }
   }
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
-  alignas(64) float lanes[ROWS];
-  for (int64_t p = 0; p < head_dim; ++p) {
-    _mm512_store_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(sc.acc.data() + p * ROWS), inv));
-    const int64_t d = value_dim(p);
-    for (int64_t i = 0; i < rows; ++i) out[i * out_row_stride + d] = static_cast<at::BFloat16>(lanes[i]);
-  }
+  store_rows(sc.acc.data(), l, head_dim, rows, out, out_row_stride, value_dim);
 }
+#endif  // __AVX512BF16__
 
 }  // namespace prefill
-#endif
+#endif  // __AVX512F__
 
-// Whether paged_prefill runs here: bf16 with AVX512-BF16, head_dim a multiple of 32 up to 128.
-bool paged_prefill_available(int64_t head_dim) {
-#if defined(__AVX512BF16__)
-  return head_dim % 32 == 0 && head_dim <= 128;
+// Whether paged_prefill runs here for this dtype: fp32 or bf16 on AVX-512 (bf16's dots in
+// hardware with AVX512-BF16), head_dim a multiple of 32 up to 128.
+bool paged_prefill_available(at::ScalarType dtype, int64_t head_dim) {
+#if defined(__AVX512F__)
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && head_dim % 32 == 0 && head_dim <= 128;
 #else
+  (void)dtype;
   (void)head_dim;
   return false;
 #endif
 }
 
-// Prefill rows of out (the sequences from num_decodes on; their rows of q from
-// query_start_loc[num_decodes]) for a bf16 batch; the decodes' rows are left as they are.
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes, double scale,
-                            torch::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [tokens, heads, dim], caches [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(paged_prefill_available(q.size(2)), "paged_prefill needs AVX512-BF16 and head_dim a multiple of 32 up to 128");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                  v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "paged_prefill takes bf16 q, caches and out");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(), "caches must be contiguous and alike");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start_loc.scalar_type() == torch::kInt32,
-              "block_tables, query_start_loc and seq_lens must be int32");
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  query_start_loc = query_start_loc.contiguous();
+#if defined(__AVX512F__)
+// Every prefill tile of the batch, spread over the threads.
+template <typename T, typename Tile>
+static void prefill_tiles(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                          const torch::Tensor& seq_lens, int64_t num_decodes, float scale, torch::Tensor& out, Tile tile) {
   const int64_t num_seqs = seq_lens.numel(), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == head_dim, "heads must be a multiple of kv heads, head_dim q's");
-  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs && num_decodes <= num_seqs,
-              "one block-table row and one length per sequence, and query_start_loc one longer");
-#if defined(__AVX512BF16__)
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   struct Item { int64_t seq, head, row; };
@@ -714,12 +792,13 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t r = 0; r < qlen; r += prefill::ROWS) items.push_back({s, h, r});
   }
-  const auto* qd = q.data_ptr<at::BFloat16>();
-  const auto* kd = k_cache.data_ptr<at::BFloat16>();
-  const auto* vd = v_cache.data_ptr<at::BFloat16>();
-  auto* od = out.data_ptr<at::BFloat16>();
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k_cache.data_ptr<T>();
+  const T* vd = v_cache.data_ptr<T>();
+  T* od = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t q_stride = q.stride(0), table_stride = block_tables.stride(0);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   // Items alternate between threads: neighbours (the same sequence and head, one tile on)
   // cost about the same, so each thread gets an even share of every sequence.
@@ -730,12 +809,53 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
         const Item& it = items[i];
         const int64_t qlen = starts[it.seq + 1] - starts[it.seq], len = lens[it.seq];
         const int64_t row0 = starts[it.seq] + it.row, kv = it.head / group;
-        prefill::tile(qd + row0 * q.stride(0) + it.head * head_dim, q.stride(0), kd + kv * head_dim, vd + kv * head_dim,
-                      tables + it.seq * block_tables.stride(0), std::min(prefill::ROWS, qlen - it.row),
-                      len - qlen + it.row, len, head_dim, token_stride, block_stride, block_size,
-                      static_cast<float>(scale), od + row0 * heads * head_dim + it.head * head_dim, heads * head_dim, sc);
+        tile(qd + row0 * q_stride + it.head * head_dim, q_stride, kd + kv * head_dim, vd + kv * head_dim,
+             tables + it.seq * table_stride, std::min(prefill::ROWS, qlen - it.row), len - qlen + it.row, len, head_dim,
+             token_stride, block_stride, block_size, scale, od + row0 * heads * head_dim + it.head * head_dim,
+             heads * head_dim, sc);
       }
   });
+}
+#endif
+
+// Prefill rows of out (the sequences from num_decodes on; their rows of q from
+// query_start_loc[num_decodes]) for an fp32 or bf16 batch; the decodes' rows are left as they are.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes, double scale,
+                            torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [tokens, heads, dim], caches [blocks, block_size, kv_heads, dim]");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(paged_prefill_available(dtype, q.size(2)),
+              "paged_prefill needs AVX-512, fp32 or bf16, and head_dim a multiple of 32 up to 128");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "q, caches and out must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(), "caches must be contiguous and alike");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32,
+              "block_tables, query_start_loc and seq_lens must be int32");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  const int64_t num_seqs = seq_lens.numel(), heads = q.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == q.size(2), "heads must be a multiple of kv heads, head_dim q's");
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs && num_decodes <= num_seqs,
+              "one block-table row and one length per sequence, and query_start_loc one longer");
+#if defined(__AVX512F__)
+  const float s = static_cast<float>(scale);
+  if (dtype == at::kFloat) {
+    prefill_tiles<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes, s, out,
+                         prefill::tile_wide<float>);
+  } else {
+#if defined(__AVX512BF16__)
+    prefill_tiles<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes, s, out,
+                                prefill::tile);
+#else
+    prefill_tiles<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes, s, out,
+                                prefill::tile_wide<at::BFloat16>);
+#endif
+  }
 #endif
   return out;
 }
@@ -1406,8 +1526,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "keys and values into their cache slots (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention for a bf16 batch's prefill chunks, into out (CPU)");
-  m.def("paged_prefill_available", &paged_prefill_available, "whether paged_prefill runs here for this head_dim");
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention for an fp32 or bf16 batch's prefill chunks, into out (CPU)");
+  m.def("paged_prefill_available", &paged_prefill_available, "whether paged_prefill runs here for this dtype and head_dim");
   m.def("add_rms_norm", &add_rms_norm, "residual add (in place) and RMSNorm (CPU)");
   m.def("rotary", &rotary, "rotary embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");

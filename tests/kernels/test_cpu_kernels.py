@@ -270,14 +270,15 @@ def test_paged_decode_softmax_over_extreme_score_ranges(sharpness, dtype, ext):
 # block edges, chunks after a cached prefix, a 1-token chunk, a long context.
 PREFILLS = [(1, 1), (15, 15), (16, 16), (17, 17), (1, 40), (37, 100), (16, 33), (300, 300), (7, 1000), (33, 64)]
 PREFILL_SHAPES = [(9, 3, 64), (32, 8, 128), (4, 4, 32)]
+PREFILL_DTYPES = [torch.float32, torch.bfloat16]
 
 
-def prefill_batch(block_size: int, kv_heads: int, head_dim: int, heads: int, seed: int, decodes=(1, 17)):
-    """Two decodes first, as the runner orders them, then PREFILLS: (cache, q, meta) in bf16."""
+def prefill_batch(block_size: int, kv_heads: int, head_dim: int, heads: int, dtype: torch.dtype, seed: int, decodes=(1, 17)):
+    """Two decodes first, as the runner orders them, then PREFILLS: (cache, q, meta)."""
     lens = list(decodes) + [n for _, n in PREFILLS]
     query_lens = [1] * len(decodes) + [lq for lq, _ in PREFILLS]
-    cache = PagedCache(lens, block_size, kv_heads, head_dim, torch.bfloat16, seed=seed)
-    q = query_slice(sum(query_lens), heads, head_dim, torch.bfloat16, seed=seed + 1)
+    cache = PagedCache(lens, block_size, kv_heads, head_dim, dtype, seed=seed)
+    q = query_slice(sum(query_lens), heads, head_dim, dtype, seed=seed + 1)
     return cache, q, cache.meta(query_lens, lens, len(decodes))
 
 
@@ -288,23 +289,25 @@ def run_prefill(ext, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES, ids=str)
 @pytest.mark.parametrize("sharpness", [0.0, 1.0, 30.0], ids=["flat", "plain", "peaked"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", PREFILL_SHAPES, ids=["9/3x64", "32/8x128", "4/4x32"])
 @pytest.mark.parametrize("block_size", [16, 32, 5])
-def test_paged_prefill_matches_exact_attention_or_says_why_not(block_size, heads, kv_heads, head_dim, sharpness, ext, cpu_ops):
-    """The bf16 prefill kernel against the exact (fp64) attention of the same inputs: off by at
-    most twice what PyTorch's own bf16 attention is off by (both round the probabilities to
-    bf16 before the values), plus one ulp. Scores all equal; plain; sharp, with the maximum
-    rising block by block. Block size 5 splits every 16-key group over blocks. Off AVX512-BF16:
-    a clear error, never a wrong answer; the dispatcher keeps SDPA there."""
-    cache, q, meta = prefill_batch(block_size, kv_heads, head_dim, heads, seed=block_size + heads)
+def test_paged_prefill_matches_exact_attention_or_says_why_not(block_size, heads, kv_heads, head_dim, sharpness, dtype, ext, cpu_ops):
+    """The prefill kernel against the exact (fp64) attention of the same inputs: off by at
+    most twice what PyTorch's own attention in the same dtype is off by (in bf16 both round
+    the probabilities to bf16 before the values), plus one bf16 ulp (fp32: 1e-5). Scores all
+    equal; plain; sharp, with the maximum rising block by block. Block size 5 splits every
+    16-key group over blocks. Off AVX-512: a clear error, never a wrong answer; the
+    dispatcher keeps SDPA there."""
+    cache, q, meta = prefill_batch(block_size, kv_heads, head_dim, heads, dtype, seed=block_size + heads)
     if sharpness == 0.0:
-        k_cache = (cache.k_cache * 0 + 1).to(torch.bfloat16)  # NaN stays NaN outside contexts
+        k_cache = (cache.k_cache * 0 + 1).to(dtype)  # NaN stays NaN outside contexts
     else:
         k_cache = rising_keys(cache, list(meta.seq_lens_host), block_size) if sharpness > 1 else cache.k_cache
     scale = sharpness * head_dim**-0.5 if sharpness else 0.37
-    if not ext.paged_prefill_available(head_dim):
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+    if not ext.paged_prefill_available(dtype, head_dim):
+        with pytest.raises(RuntimeError, match="needs AVX-512"):
             run_prefill(ext, q, k_cache, cache.v_cache, meta, scale)
         return
     k_before, v_before, q_before = k_cache.clone(), cache.v_cache.clone(), q.clone()
@@ -319,25 +322,27 @@ def test_paged_prefill_matches_exact_attention_or_says_why_not(block_size, heads
     exact = paged_prefill_ref(q.double(), finite_k.double(), cache.finite_v.double(), meta, scale)[nd:]
     kernel_error = (out[nd:].double() - exact).abs().max().item()
     torch_error = (torch_out - exact).abs().max().item()
-    assert kernel_error <= 2 * torch_error + torch.finfo(torch.bfloat16).eps, (kernel_error, torch_error)
+    slack = torch.finfo(torch.bfloat16).eps if dtype == torch.bfloat16 else 1e-5
+    assert kernel_error <= 2 * torch_error + slack, (kernel_error, torch_error)
 
-    # The model's dispatcher takes this kernel for bf16 batches with prefill chunks.
-    dispatched = cpu_ops(torch.bfloat16).paged_attention(q, k_cache, cache.v_cache, meta, scale)
+    # The model's dispatcher takes this kernel for batches with prefill chunks.
+    dispatched = cpu_ops(dtype).paged_attention(q, k_cache, cache.v_cache, meta, scale)
     assert same_bits(dispatched[nd:], out[nd:])
 
 
-def test_paged_prefill_rows_do_not_depend_on_how_the_prompt_was_chunked(ext):
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES, ids=str)
+def test_paged_prefill_rows_do_not_depend_on_how_the_prompt_was_chunked(dtype, ext):
     """A prompt prefilled whole, in chunks after a cached prefix (as chunked prefill and the
     prefix cache split it) or beside other sequences gives bit-identical rows: each row folds
-    in the same keys in the same order, so turning the prefix cache on cannot change a bf16
+    in the same keys in the same order, so turning the prefix cache on cannot change a
     prefill's result."""
-    if not ext.paged_prefill_available(64):
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            cache, q, meta = prefill_batch(16, 3, 64, 9, seed=41)
+    if not ext.paged_prefill_available(dtype, 64):
+        with pytest.raises(RuntimeError, match="needs AVX-512"):
+            cache, q, meta = prefill_batch(16, 3, 64, 9, dtype, seed=41)
             run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125)
         return
-    cache = PagedCache([100, 50], 16, 3, 64, torch.bfloat16, seed=42)
-    q = query_slice(150, 9, 64, torch.bfloat16, seed=43)
+    cache = PagedCache([100, 50], 16, 3, 64, dtype, seed=42)
+    q = query_slice(150, 9, 64, dtype, seed=43)
     whole = run_prefill(ext, q[:100], cache.k_cache, cache.v_cache, cache.meta([100, 0], [100, 50], 0), 0.125)
     assert whole.isfinite().all()
     for cut in (1, 15, 16, 37, 99):
@@ -591,12 +596,13 @@ def test_kernels_split_over_threads(ext):
         out = ext.paged_decode(q, cache.k_cache, cache.v_cache, cache.block_tables, torch.tensor(lens, dtype=torch.int32), 0.125)
         expected = paged_decode_ref(q, cache.finite_k, cache.finite_v, cache.block_tables, tuple(lens), 0.125)
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
-    if ext.paged_prefill_available(64):
-        cache, q, meta = prefill_batch(16, 3, 64, 9, seed=11)
-        many = run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125)
-        torch.set_num_threads(1)
-        assert same_bits(many, run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125))
-        torch.set_num_threads(3)
+    for dtype in PREFILL_DTYPES:
+        if ext.paged_prefill_available(dtype, 64):
+            cache, q, meta = prefill_batch(16, 3, 64, 9, dtype, seed=11)
+            many = run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125)
+            torch.set_num_threads(1)
+            assert same_bits(many, run_prefill(ext, q, cache.k_cache, cache.v_cache, meta, 0.125))
+            torch.set_num_threads(3)
     x, residual, weight = norm_inputs(129, 1823, torch.float32, seed=6)
     expected, summed = add_rms_norm_ref(x, residual, weight, 1e-5)
     torch.testing.assert_close(ext.add_rms_norm(x, residual, weight, 1e-5, True), expected, **tolerance(torch.float32))
