@@ -6,7 +6,8 @@ lm_head: 538 MB in fp32, 269 MB in bf16), each with its own weights so
 they stream from memory as in a real step, timed side by side for 1 to 48 rows of x
 (to 512 with AMX). Prints milliseconds per pass over the whole model, the weight bytes
 read per second and the ratios; the smallest row count where oneDNN wins is where
-`kernels.linear`'s SMALL_ROWS (AMX_ROWS) should stop.
+`kernels.linear`'s SMALL_ROWS (AMX_ROWS) should stop. (In bf16 with AVX512-BF16 but no AMX
+the engine leaves every row count to oneDNN: see kernels/linear.py.)
 
     .venv/bin/python bench/linear_small.py [--dtype bfloat16]    # one to two minutes
 """
