@@ -138,6 +138,16 @@ def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[
     return median_run(run)
 
 
+def ours_offline_and_batch1(fresh_engine, reqs, b1_prompt: list[int]) -> tuple[float, float, float]:
+    """(offline tok/s, batch-1 tok/s, batch-1 time to first token): offline on a fresh cache
+    with prefix caching on, as served (the random prompts share no block), batch-1 with it off."""
+    engine = fresh_engine(True)
+    engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # warm-up
+    offline = ours_offline(engine, reqs)
+    del engine  # its KV cache
+    return (offline, *ours_batch1(fresh_engine(False), b1_prompt, 128))
+
+
 # -- transformers --------------------------------------------------------------------------------
 
 
@@ -265,29 +275,26 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(dtype=str(dtype).removeprefix("torch."), device=args.device, kv_cache_bytes=1 << 30, max_num_seqs=64, max_num_batched_tokens=2048)
     )
+    ours_model, ours_tokenizer, ours_config = engine.model, engine.tokenizer, engine.config
     vocab = engine.vocab_size
+    del engine  # its KV cache: every measurement below builds its own
+
+    def fresh_engine(caching: bool) -> LLMEngine:
+        # The same weights, a fresh cache: nothing carried over between measurements.
+        return LLMEngine(replace(ours_config, enable_prefix_caching=caching), model=ours_model, tokenizer=ours_tokenizer)
+
     reqs = make_requests(args.requests, seed=0, vocab=vocab)
     useful = sum(out for _, out in reqs)
     b1_prompt = make_requests(1, seed=1, vocab=vocab)[0][0][:32]
-    params = engine.model.num_parameters()
+    params = ours_model.num_parameters()
     weight_bytes = params * torch.finfo(dtype).bits // 8
 
     results = {}
-    engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # warm-up
-    results["ours_offline"] = ours_offline(engine, reqs)
+    results["ours_offline"], results["ours_b1_tps"], results["ours_b1_ttft"] = ours_offline_and_batch1(fresh_engine, reqs, b1_prompt)
     print(f"ours offline: {results['ours_offline']:.1f} tok/s", flush=True)
-
-    def engine_with_caching(caching: bool) -> LLMEngine:
-        # Same weights, a fresh cache: nothing carried over between the two runs.
-        return LLMEngine(replace(engine.config, enable_prefix_caching=caching), model=engine.model, tokenizer=engine.tokenizer)
-
-    results["ours_b1_tps"], results["ours_b1_ttft"] = ours_batch1(engine_with_caching(False), b1_prompt, 128)
     print(f"ours batch-1: {results['ours_b1_tps']:.1f} tok/s, ttft {results['ours_b1_ttft'] * 1000:.0f} ms", flush=True)
-
-    results["prefix"] = ours_shared_prefix(engine_with_caching, vocab)
+    results["prefix"] = ours_shared_prefix(fresh_engine, vocab)
     print(f"shared prefix: cache on {results['prefix']['on']['seconds']:.2f} s, off {results['prefix']['off']['seconds']:.2f} s", flush=True)
-    ours_model, ours_tokenizer, ours_config = engine.model, engine.tokenizer, engine.config
-    del engine  # its KV cache; the weights stay for the second measurement
 
     model = load_hf(dtype)
     results["hf_static"] = hf_static(model, reqs, args.static_batch)
@@ -298,13 +305,8 @@ def main() -> None:
     results["hf_b1_tps"], results["hf_b1_ttft"] = hf_batch1(model, b1_prompt, 128)
     print(f"transformers batch-1: {results['hf_b1_tps']:.1f} tok/s, ttft {results['hf_b1_ttft'] * 1000:.0f} ms", flush=True)
     del model
-    engine = LLMEngine(ours_config, model=ours_model, tokenizer=ours_tokenizer)  # a fresh cache: no prefix hits
-    engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
-    results["ours_offline_again"] = ours_offline(engine, reqs)
-    no_cache = LLMEngine(replace(ours_config, enable_prefix_caching=False), model=ours_model, tokenizer=ours_tokenizer)
-    results["ours_b1_tps_again"], _ = ours_batch1(no_cache, b1_prompt, 128)
+    results["ours_offline_again"], results["ours_b1_tps_again"], _ = ours_offline_and_batch1(fresh_engine, reqs, b1_prompt)
     print(f"ours again: offline {results['ours_offline_again']:.1f} tok/s, batch-1 {results['ours_b1_tps_again']:.1f} tok/s", flush=True)
-    del engine, no_cache, ours_model
     cpp = llama_cpp_batch1(b1_prompt, 128, threads)
     if cpp:
         results["llama_cpp_b1_tps"], results["llama_cpp_b1_ttft"] = cpp
@@ -338,6 +340,7 @@ def main() -> None:
     pre = results["prefix"]
     print(f"| 64 requests, shared 512-token prefix | prefix cache on | {pre['on']['seconds']:.2f} s | {pre['on']['saved']:.0%} of prefill tokens saved |")
     print(f"|  | prefix cache off | {pre['off']['seconds']:.2f} s | |")
+
     def ratio(ours: str, base: str) -> str:
         return f"{results[ours] / results[base]:.2f}x ({results[ours + '_again'] / results[base]:.2f}x measured again after)"
 

@@ -76,7 +76,7 @@ def _cpu_impl():
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return ext.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        if q.dtype in (torch.float32, torch.bfloat16) and ext.paged_prefill_available(q.dtype, q.shape[-1]):
+        if ext.paged_prefill_available(q.dtype, q.shape[-1]):
             out = ext.paged_prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, nd, scale, q.new_empty(q.shape)
             )
