@@ -80,3 +80,18 @@ def redis(redis_server: str, settings) -> redis_lib.Redis:
     client = redis_lib.Redis.from_url(redis_server)
     client.flushall()
     return client
+
+
+@pytest.fixture(scope="session")
+def hostile_live(tmp_path_factory: pytest.TempPathFactory):
+    """One live platform (daphne, the real engine, Redis, a database) for tests/security/
+    and tests/reliability/: tiers, tenants and settings in tests/isolation_env.py."""
+    from tests import isolation_env
+    from tests.live import start_live_server
+
+    server, stop = start_live_server(tmp_path_factory.mktemp("hostile"), isolation_env.TIERS,
+                                     isolation_env.TENANTS, isolation_env.ENV)
+    try:
+        yield server
+    finally:
+        stop()

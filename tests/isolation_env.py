@@ -1,0 +1,27 @@
+"""Tiers, tenants and settings of the one live platform that tests/security/ and
+tests/reliability/ share (the `hostile_live` fixture in tests/conftest.py).
+
+Each test module uses its own tenants, so one module's limits, leases and budgets never
+leak into another's assertions. Keep every entry's comment naming the module that uses it.
+"""
+
+BIG = {"requests_per_minute": 100_000, "tokens_per_minute": 50_000_000, "concurrent_streams": 1000,
+       "max_tokens_per_request": 512, "monthly_token_budget": 10**12}
+
+TIERS: dict[str, dict] = {
+    "hostile-p0": {"lane": 0, **BIG},
+    "hostile-p1": {"lane": 1, **BIG},
+    "hostile-p2": {"lane": 2, **BIG, "allow_batch": True},
+}
+
+# tenant name -> tier name
+TENANTS: dict[str, str] = {
+    # the bystander whose latency the attacks must not move
+    "bystander": "hostile-p1",
+}
+
+# Settings of the live server (environment variables).
+ENV: dict[str, str] = {
+    "SSE_HEARTBEAT_S": "0.5",
+    "WS_AUTH_TIMEOUT_S": "2",
+}
