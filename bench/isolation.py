@@ -1,0 +1,294 @@
+"""Another tenant's time to first token while one tenant attacks the platform, in one run.
+
+A live platform (daphne, the real SmolLM2 engine, its own Redis and database, as the
+end-to-end tests start it) serves two tenants of the same lane: a bystander and an
+attacker on a tier with ordinary limits. The bystander sends short streamed chats one
+after another (TTFT = until the first content delta arrives) while nothing else runs,
+then again during each attack:
+
+  long stops     the attacker's chats carry 4 stop strings: first 260,000 characters each
+                 (refused now), then the longest allowed, decoding 256 tokens
+  n fan-out      8 parallel streams with the largest `n`
+  blank file     POST /v1/files of 40 MiB of blank lines, over and over
+  stalled readers  16 streams that never read a byte, max_tokens 512
+  Redis stall    every 3 s Redis pauses writes for 1.5 s (a dependency fault, not a tenant)
+  DB lock        the attacker's key row (PostgreSQL) or the whole SQLite file held by a writer
+  400 burst      400 concurrent streamed chats from the attacker, max_tokens 4
+
+Target: the bystander's p99 within 2x its idle p99 on every row. The Redis stall row
+measures a fault every tenant shares: its first token waits for the paused write (at
+most the pause), so it is reported, not expected to meet the 2x.
+
+    .venv/bin/python bench/isolation.py             # ~3-4 minutes on 2 cores
+    .venv/bin/python bench/isolation.py --samples 40
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis  # noqa: E402
+
+from tests.live import LiveServer, start_live_server  # noqa: E402
+from tests.serving.rawsse import SocketStream, request_bytes  # noqa: E402
+
+BIG = {"requests_per_minute": 100_000, "tokens_per_minute": 50_000_000, "concurrent_streams": 1000,
+       "max_tokens_per_request": 512, "monthly_token_budget": 10**12}
+# The attacker pays for an ordinary tier: what a hostile tenant can do within its rights.
+ORDINARY = {"requests_per_minute": 6_000, "tokens_per_minute": 2_000_000, "concurrent_streams": 16,
+            "max_tokens_per_request": 512, "monthly_token_budget": 10**12, "allow_batch": True}
+TIERS = {"bench-bystander": {"lane": 1, **BIG}, "bench-ordinary": {"lane": 1, **ORDINARY}}
+TENANTS = {"bystander": "bench-bystander", "attacker": "bench-ordinary"}
+ENV = {"STREAM_STALL_S": "10", "FILES_MAX_BYTES": str(64 * 1024**2)}
+
+
+def chat(content: str, max_tokens: int, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": True, **extra}
+
+
+def ttft(server: LiveServer, key: str) -> float | None:
+    """Seconds until the first content delta of a short streamed chat; None if it failed."""
+    start = time.monotonic()
+    try:
+        stream = SocketStream(server.url, "/v1/chat/completions", key, chat("Say hello.", 8, temperature=0), timeout=60)
+    except OSError:
+        return None
+    try:
+        while True:
+            event = stream.next_event()
+            if event is None or event.data == "[DONE]":
+                return None
+            data = event.json()
+            if "error" in data:
+                return None
+            if any(c.get("delta", {}).get("content") for c in data.get("choices", ())):
+                return time.monotonic() - start
+    except (OSError, ValueError):
+        return None
+    finally:
+        stream.close()
+
+
+def probe(server: LiveServer, samples: int) -> tuple[list[float], int]:
+    times, failed = [], 0
+    for _ in range(samples):
+        t = ttft(server, server.keys["bystander"])
+        if t is None:
+            failed += 1
+        else:
+            times.append(t)
+        time.sleep(0.05)
+    return sorted(times), failed
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest rank: with few samples p99 is the worst one."""
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, int(round(q / 100 * len(values) + 0.5)) - 1))]
+
+
+# --- attacks: each runs until `stop` is set ----------------------------------------------------
+
+
+def post(server: LiveServer, path: str, body: bytes, headers: dict[str, str], timeout: float = 60) -> int:
+    """Send a request, return its status (0 when the connection failed)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(head.encode() + body)
+            status = sock.recv(64).split(b" ", 2)
+            while sock.recv(65536):
+                pass
+            return int(status[1]) if len(status) > 1 else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def in_threads(count: int, work: Callable[[], None], stop: threading.Event) -> list[threading.Thread]:
+    def loop() -> None:
+        while not stop.is_set():
+            work()
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def long_stops(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    key = server.keys["attacker"]
+    huge = chat("Tell me a long story.", 256, stop=["x" * 260_000 + str(i) for i in range(4)], ignore_eos=True)
+    outcome["260k stops"] = post(server, "/v1/chat/completions", json.dumps(huge).encode(),
+                                 {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    allowed = int(outcome.get("stop_chars") or 1000)
+    body = json.dumps(chat("Tell me a long story.", 256, stop=["q" * (allowed - 1) + str(i) for i in range(4)],
+                           ignore_eos=True)).encode()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return in_threads(4, lambda: outcome.setdefault("statuses", []).append(
+        post(server, "/v1/chat/completions", body, headers)), stop)
+
+
+def fan_out(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    body = json.dumps(chat("Write a poem.", 256, n=16, ignore_eos=True)).encode()
+    headers = {"Authorization": f"Bearer {server.keys['attacker']}", "Content-Type": "application/json"}
+    return in_threads(8, lambda: outcome.setdefault("statuses", []).append(
+        post(server, "/v1/chat/completions", body, headers)), stop)
+
+
+def blank_file(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    boundary = "benchboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + b"\n" * (40 * 1024**2) + f"\r\n--{boundary}--\r\n".encode()
+    headers = {"Authorization": f"Bearer {server.keys['attacker']}",
+               "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    return in_threads(2, lambda: outcome.setdefault("statuses", []).append(post(server, "/v1/files", body, headers)), stop)
+
+
+def stalled_readers(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    host, port = server.url.removeprefix("http://").split(":")
+    wire = request_bytes(server.url, "/v1/chat/completions", server.keys["attacker"],
+                         chat("Count to ten thousand.", 512, ignore_eos=True))
+    sockets = []
+    for _ in range(16):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few hundred events
+        sock.connect((host, int(port)))
+        sock.sendall(wire)
+        sockets.append(sock)
+
+    def hold() -> None:
+        stop.wait()
+        for sock in sockets:
+            sock.close()
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    return [thread]
+
+
+def redis_stall(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    client = redis.Redis.from_url(server.redis_url)
+
+    def pause() -> None:
+        while not stop.is_set():
+            client.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+            stop.wait(3.0)
+        client.execute_command("CLIENT", "UNPAUSE")
+    thread = threading.Thread(target=pause, daemon=True)
+    thread.start()
+    return [thread]
+
+
+def db_lock(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    url = server.env["DATABASE_URL"]
+    ready = threading.Event()
+
+    def hold() -> None:
+        if url.startswith("sqlite:///"):
+            conn = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=30, isolation_level=None)
+            conn.execute("BEGIN IMMEDIATE")  # the one write lock of the file
+            outcome["lock"] = "SQLite write lock"
+        else:
+            import psycopg
+            conn = psycopg.connect(url.replace("postgres://", "postgresql://", 1))
+            prefix = server.keys["attacker"].split("_")[0].removeprefix("sk-")
+            conn.execute("SELECT 1 FROM tenants_apikey WHERE prefix = %s FOR UPDATE", (prefix,))
+            outcome["lock"] = "attacker's key row FOR UPDATE"
+        ready.set()
+        stop.wait()
+        conn.rollback()
+        conn.close()
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    ready.wait(30)
+    headers = {"Authorization": f"Bearer {server.keys['attacker']}", "Content-Type": "application/json"}
+    body = json.dumps(chat("Hi.", 4)).encode()
+    return [thread, *in_threads(2, lambda: outcome.setdefault("statuses", []).append(
+        post(server, "/v1/chat/completions", body, headers)), stop)]
+
+
+def burst(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+    body = json.dumps(chat("Hi.", 4)).encode()
+    headers = {"Authorization": f"Bearer {server.keys['attacker']}", "Content-Type": "application/json"}
+    statuses: list[int] = outcome.setdefault("statuses", [])
+    go = threading.Event()
+
+    def one() -> None:
+        go.wait()
+        statuses.append(post(server, "/v1/chat/completions", body, headers))
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(400)]
+    for t in threads:
+        t.start()
+    go.set()
+    return threads
+
+
+ATTACKS = [("long stops", long_stops), ("n fan-out", fan_out), ("blank file", blank_file),
+           ("stalled readers", stalled_readers), ("Redis stall", redis_stall), ("DB lock", db_lock),
+           ("400 burst", burst)]
+
+
+def summary(outcome: dict) -> str:
+    statuses = outcome.get("statuses", [])
+    counts: dict[int, int] = {}
+    for s in statuses:
+        counts[s] = counts.get(s, 0) + 1
+    parts = [f"{k}: {v}" for k, v in outcome.items() if k not in ("statuses", "stop_chars")]
+    if counts:
+        parts.append("attacker statuses " + ", ".join(f"{s or 'conn error'} x{n}" for s, n in sorted(counts.items())))
+    return "; ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=25, help="bystander requests per row")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server, stop_server = start_live_server(Path(tmp), TIERS, TENANTS, ENV)
+        try:
+            stop_chars = server.django("from django.conf import settings\n"
+                                       "result = getattr(settings, 'MAX_STOP_CHARS', 0)")
+            for _ in range(3):  # warm the kernels and the bystander's path
+                ttft(server, server.keys["bystander"])
+            idle, idle_failed = probe(server, args.samples)
+            rows = [("idle", idle, idle_failed, "")]
+            for name, attack in ATTACKS:
+                stop = threading.Event()
+                outcome: dict = {"stop_chars": stop_chars}
+                threads = attack(server, stop, outcome)
+                time.sleep(1.0)  # let the attack take hold
+                times, failed = probe(server, args.samples)
+                stop.set()
+                for t in threads:
+                    t.join(timeout=120)
+                server.wait_idle(timeout=60)
+                rows.append((name, times, failed, summary(outcome)))
+                print(f"{name}: done", file=sys.stderr, flush=True)
+        finally:
+            stop_server()
+    base = pct(idle, 99)
+    print(f"\nbystander: streamed chat, max_tokens 8, {args.samples} sequential requests per row; "
+          f"attacker on a tier of {ORDINARY['concurrent_streams']} concurrent generations; "
+          f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}\n")
+    print("| attack | TTFT p50 (s) | TTFT p99 (s) | p99 / idle p99 | bystander failures | what the attacker got |")
+    print("|---|---|---|---|---|---|")
+    for name, times, failed, note in rows:
+        p99 = pct(times, 99)
+        print(f"| {name} | {pct(times, 50):.3f} | {p99:.3f} | {p99 / base:.2f}x | {failed} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
