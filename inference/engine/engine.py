@@ -22,6 +22,7 @@ from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
 from inference.engine.scheduler import Scheduler
 from inference.engine.sequence import LANES, RequestOutput, SamplingParams, Sequence
+from inference.engine.stops import StopMatcher
 from inference.engine.tokenizer import Tokenizer
 
 
@@ -141,6 +142,8 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.detokenizer()
+        if params.stop:
+            seq.stop_matcher = StopMatcher(params.stop)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(token_ids)
@@ -288,17 +291,15 @@ class LLMEngine:
         if reason is not None:
             detok.flush()
         text, sent = detok.text, seq.text_sent
-        stops = seq.params.stop
         end = len(text)
-        if stops:
-            window = max(0, sent - max(len(s) for s in stops) + 1)
-            hits = [(i, s) for s in stops if (i := text.find(s, window)) != -1]
-            if hits:
-                i, s = min(hits)
+        if seq.stop_matcher is not None:
+            hit = seq.stop_matcher.feed(text)
+            if hit:
+                i, s = hit
                 end = i + len(s) if seq.params.include_stop_str_in_output else i
                 reason = "stop"
             elif reason is None:
-                end -= max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                end -= seq.stop_matcher.holdback()
         delta = text[sent:end] if end > sent else ""
         seq.text_sent = max(sent, end)
         return delta, reason

@@ -141,6 +141,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer when the engine has a tokenizer
+    stop_matcher: Any = None  # stops.StopMatcher when the request has stop strings
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     text_sent: int = 0  # characters of the detokenized output already released
 
