@@ -127,3 +127,18 @@ def test_text_held_back_for_a_possible_stop_is_released_when_it_cannot_be_one():
 def _with(engine: LLMEngine, params: SamplingParams) -> LLMEngine:
     engine.add_request("r", "Hello there", params)
     return engine
+
+
+def test_the_engine_refuses_stop_work_past_its_own_ceilings_whatever_the_caller():
+    """The API's bounds are lower; the engine holds its own for any other caller."""
+    from inference.engine.errors import InvalidRequestError
+    from inference.engine.sequence import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
+    SamplingParams(stop=["x" * (MAX_STOP_CHARS // 4)] * 4, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    for too_much in ({"stop": ["x" * 260_000] * 4}, {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}):
+        try:
+            SamplingParams(**too_much)
+        except InvalidRequestError as exc:
+            assert exc.param == next(iter(too_much))
+        else:
+            raise AssertionError(f"accepted {next(iter(too_much))}")
