@@ -206,6 +206,9 @@ INFERENCE = {
     "MAX_MODEL_LEN": env.int("INFERENCE_MAX_MODEL_LEN", default=0),
     # How long a request that arrives while the model is still loading waits for it.
     "LOAD_WAIT_S": env.float("INFERENCE_LOAD_WAIT_S", default=120.0),
+    # The most of a lane's waiting queue one tenant may hold (a fraction of its limit): half,
+    # so a burst from one tenant still queues deep while any other tenant finds room.
+    "TENANT_QUEUE_SHARE": env.float("INFERENCE_TENANT_QUEUE_SHARE", default=0.5),
 }
 
 # --- serving ------------------------------------------------------------------------------
