@@ -44,10 +44,13 @@ def post(live: LiveServer, path: str, body: dict, tenant: str = "bounds", **kwar
                          timeout=HANG_GUARD_S, **kwargs)
 
 
-def assert_refused(response: requests.Response, param: str, status: int = 400) -> dict:
+def assert_refused(response: requests.Response, param: str, bound_name: str, status: int = 400) -> dict:
+    """Refused for the bound itself (the message gives it), not later for a consequence of it
+    such as a prompt past the context."""
     assert response.status_code == status, response.text[:500]
     error = response.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert str(bound(bound_name)) in error["message"], error
     return error
 
 
@@ -60,13 +63,13 @@ def chat(**fields) -> dict:
 
 def test_a_stop_string_past_the_length_bound_is_refused_on_chat(hostile_live: LiveServer):
     stop = long_stops(bound("MAX_STOP_CHARS") + 1)
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop=stop)), "stop")
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop=stop[0], stream=True)), "stop")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop=stop)), "stop", "MAX_STOP_CHARS")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop=stop[0], stream=True)), "stop", "MAX_STOP_CHARS")
 
 
 def test_a_stop_string_past_the_length_bound_is_refused_on_completions(hostile_live: LiveServer):
     body = {"prompt": "Say hi.", "max_tokens": 1, "stop": long_stops(bound("MAX_STOP_CHARS") + 1)}
-    assert_refused(post(hostile_live, "/v1/completions", body), "stop")
+    assert_refused(post(hostile_live, "/v1/completions", body), "stop", "MAX_STOP_CHARS")
 
 
 def test_a_stop_string_past_the_length_bound_is_refused_on_a_websocket_start(hostile_live: LiveServer):
@@ -98,12 +101,12 @@ def test_a_batch_line_with_a_stop_string_past_the_length_bound_is_refused(hostil
 
 def test_more_stop_strings_than_the_bound_are_refused(hostile_live: LiveServer):
     stop = [f"stop{i}" for i in range(bound("MAX_STOP") + 1)]
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop=stop)), "stop")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop=stop)), "stop", "MAX_STOP")
 
 
 def test_more_stop_token_ids_than_the_bound_are_refused(hostile_live: LiveServer):
     ids = list(range(1, bound("MAX_STOP_TOKEN_IDS") + 2))
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop_token_ids=ids)), "stop_token_ids")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(stop_token_ids=ids)), "stop_token_ids", "MAX_STOP_TOKEN_IDS")
 
 
 # -- messages and prompts -----------------------------------------------------------------------
@@ -111,19 +114,19 @@ def test_more_stop_token_ids_than_the_bound_are_refused(hostile_live: LiveServer
 
 def test_more_messages_than_the_bound_are_refused(hostile_live: LiveServer):
     messages = [{"role": "user", "content": "hi"}] * (bound("MAX_MESSAGES") + 1)
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(messages=messages)), "messages")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(messages=messages)), "messages", "MAX_MESSAGES")
 
 
 def test_messages_past_the_prompt_size_bound_are_refused_with_413(hostile_live: LiveServer):
     half = "x" * (bound("MAX_PROMPT_CHARS") // 2)
     messages = [{"role": "system", "content": half}, {"role": "user", "content": half + "x"}]
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(messages=messages)), "messages", status=413)
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(messages=messages)), "messages", "MAX_PROMPT_CHARS", status=413)
 
 
 def test_prompts_past_the_prompt_size_bound_are_refused_with_413(hostile_live: LiveServer):
     half = "x" * (bound("MAX_PROMPT_CHARS") // 2)
     body = {"prompt": [half, half + "x"], "max_tokens": 1}
-    assert_refused(post(hostile_live, "/v1/completions", body), "prompt", status=413)
+    assert_refused(post(hostile_live, "/v1/completions", body), "prompt", "MAX_PROMPT_CHARS", status=413)
 
 
 # -- what the choices of one request add up to -----------------------------------------------------
@@ -132,24 +135,26 @@ def test_prompts_past_the_prompt_size_bound_are_refused_with_413(hostile_live: L
 def test_n_times_max_tokens_past_the_bound_is_refused(hostile_live: LiveServer):
     n = 16
     per_choice = bound("MAX_REQUEST_TOKENS") // n + 1
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(n=n, max_tokens=per_choice)), "max_tokens")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(n=n, max_tokens=per_choice)), "max_tokens", "MAX_REQUEST_TOKENS")
     assert_refused(post(hostile_live, "/v1/chat/completions", {"messages": HI, "n": n, "max_completion_tokens": per_choice}),
-                   "max_completion_tokens")
-    body = {"prompt": ["a", "b"], "n": n // 2, "max_tokens": per_choice}
-    assert_refused(post(hostile_live, "/v1/completions", body), "max_tokens")
+                   "max_completion_tokens", "MAX_REQUEST_TOKENS")
+    # Each choice alone fits the context, the KV cache and the tier; together they are past the bound.
+    prompts = bound("MAX_CHOICES")
+    body = {"prompt": ["a"] * prompts, "max_tokens": bound("MAX_REQUEST_TOKENS") // prompts + 1}
+    assert_refused(post(hostile_live, "/v1/completions", body), "max_tokens", "MAX_REQUEST_TOKENS")
 
 
 def test_top_logprobs_times_n_past_the_bound_is_refused(hostile_live: LiveServer):
     top = 20
     n = bound("MAX_REQUEST_LOGPROBS") // top + 1
-    assert_refused(post(hostile_live, "/v1/chat/completions", chat(n=n, logprobs=True, top_logprobs=top)), "top_logprobs")
+    assert_refused(post(hostile_live, "/v1/chat/completions", chat(n=n, logprobs=True, top_logprobs=top)), "top_logprobs", "MAX_REQUEST_LOGPROBS")
     body = {"prompt": ["a"] * n, "max_tokens": 1, "logprobs": 5, "n": 4}  # 4n choices x 5 alternatives
-    assert_refused(post(hostile_live, "/v1/completions", body), "logprobs")
+    assert_refused(post(hostile_live, "/v1/completions", body), "logprobs", "MAX_REQUEST_LOGPROBS")
 
 
 def test_more_completion_choices_than_the_bound_are_refused(hostile_live: LiveServer):
     body = {"prompt": ["a"] * 16, "n": bound("MAX_CHOICES") // 16 + 1, "max_tokens": 1}
-    assert_refused(post(hostile_live, "/v1/completions", body), "n")
+    assert_refused(post(hostile_live, "/v1/completions", body), "n", "MAX_CHOICES")
 
 
 # -- the engine under the largest stops allowed -------------------------------------------------------
