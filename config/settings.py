@@ -206,6 +206,9 @@ INFERENCE = {
     "MAX_MODEL_LEN": env.int("INFERENCE_MAX_MODEL_LEN", default=0),
     # How long a request that arrives while the model is still loading waits for it.
     "LOAD_WAIT_S": env.float("INFERENCE_LOAD_WAIT_S", default=120.0),
+    # The most of a lane's waiting queue one tenant may hold (a fraction of its limit): half,
+    # so a burst from one tenant still queues deep while any other tenant finds room.
+    "TENANT_QUEUE_SHARE": env.float("INFERENCE_TENANT_QUEUE_SHARE", default=0.5),
 }
 
 # --- serving ------------------------------------------------------------------------------
@@ -218,6 +221,32 @@ MAX_REQUEST_BYTES = env.int("MAX_REQUEST_BYTES", default=1024 * 1024)
 SSE_HEARTBEAT_S = env.float("SSE_HEARTBEAT_S", default=15.0)
 # A WebSocket that does not authenticate (header or first message) within this long is closed.
 WS_AUTH_TIMEOUT_S = env.float("WS_AUTH_TIMEOUT_S", default=10.0)
+
+# --- request bounds (bounds: inference.protocol refuses past them, inference.openapi publishes them) ---
+# Every input that costs the engine or the tokenizer work has a ceiling; a request past one is
+# refused before it is tokenized: 400 naming the field (413 for the prompt's size).
+# Stop strings per request: OpenAI's limit.
+MAX_STOP = env.int("MAX_STOP", default=4)
+# Characters per stop string. Real stops are short ("\n\n", "</answer>", "Observation:"); 1,000
+# leaves room for a long delimiter while keeping what the engine matches per request (its
+# tables cost the stops' length once) small. Four 260,000-character stops once froze the engine.
+MAX_STOP_CHARS = env.int("MAX_STOP_CHARS", default=1000)
+# Token ids in stop_token_ids (checked against every sampled token).
+MAX_STOP_TOKEN_IDS = env.int("MAX_STOP_TOKEN_IDS", default=64)
+# Messages in one chat: OpenAI's own limit on the `messages` array.
+MAX_MESSAGES = env.int("MAX_MESSAGES", default=2048)
+# Characters of all messages (chat) or all text prompts (completions) together. 262,144 is
+# eight times what the default model's 8,192-token context holds (~4 characters a token): no
+# prompt that fits the context is refused, and the tokenizer never runs on a megabyte.
+MAX_PROMPT_CHARS = env.int("MAX_PROMPT_CHARS", default=256 * 1024)
+# Choices of one completions request (prompts x n).
+MAX_CHOICES = env.int("MAX_CHOICES", default=64)
+# Tokens one request may ask to generate, over all its choices (n x max_tokens, times the
+# prompts of a completion): n = 16 choices of 4,096 tokens, or 8 of a whole 8,192-token context.
+MAX_REQUEST_TOKENS = env.int("MAX_REQUEST_TOKENS", default=65_536)
+# Log-probability alternatives per generated position, over all choices (top_logprobs x n):
+# the most alternatives (20) on 5 choices, or 5 on 20.
+MAX_REQUEST_LOGPROBS = env.int("MAX_REQUEST_LOGPROBS", default=100)
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM inference platform API",

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 
 from inference import catalog
 from inference.engine.async_engine import EngineNotRunningError, RequestStream
@@ -278,7 +279,9 @@ class Generation:
         choices = self.request.n * len(self.prompt_token_ids)
         by_rate = (tier.tokens_per_minute - sum(len(p) for p in self.prompt_token_ids)) // choices
         default = tier.max_tokens_per_request if self.request.kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS
-        return max(1, min(default, tier.max_tokens_per_request, max_model_len - longest, by_rate))
+        # An implicit max_tokens obeys the same n x max_tokens bound as an explicit one (protocol).
+        by_request = settings.MAX_REQUEST_TOKENS // choices
+        return max(1, min(default, tier.max_tokens_per_request, max_model_len - longest, by_rate, by_request))
 
     async def _open_lease(self) -> None:
         taking = asyncio.ensure_future(asyncio.to_thread(quota.open_stream, self.tenant))

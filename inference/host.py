@@ -48,6 +48,7 @@ def engine_config() -> EngineConfig:
         max_model_len=conf["MAX_MODEL_LEN"] or None,
         policy=conf["POLICY"],
         aging_threshold_s=conf["AGING_S"],
+        tenant_queue_share=conf["TENANT_QUEUE_SHARE"],
     )
 
 

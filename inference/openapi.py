@@ -8,6 +8,7 @@ that validates: the tests fuzz the live server from this schema to keep them in 
 """
 from __future__ import annotations
 
+from django.conf import settings
 from django.urls import path
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field,
@@ -17,6 +18,7 @@ from rest_framework.permissions import AllowAny
 from rest_framework.views import APIView
 
 from inference import batch_views, protocol
+from inference.engine.sequence import MAX_LOGPROBS
 from inference.views import ModelList
 
 
@@ -24,34 +26,46 @@ from inference.views import ModelList
 # The request bodies are closed (additionalProperties: false; see `close_request_bodies`):
 # `protocol` refuses unknown fields, as OpenAI does.
 
-# Limits `protocol` writes as literals (its `_max_tokens`, `_sampling`, `_stop_token_ids`).
+# Limits `protocol` writes as literals (its `_max_tokens`, `_sampling`). The request bounds are
+# settings, read here (at import, like the schema) under the same names `protocol` reads.
 MAX_TOKENS = 1_000_000
 MAX_TOP_K = 1_000_000
-MAX_STOP_TOKEN_IDS = 64
+
+# Bounds over several fields, which JSON Schema cannot state: published on each request body as
+# `x-request-bounds` (see `close_request_bodies`) and in the fields' descriptions.
+REQUEST_BOUNDS = {
+    "max_request_tokens": settings.MAX_REQUEST_TOKENS,  # n x max_tokens (x prompts)
+    "max_request_logprobs": settings.MAX_REQUEST_LOGPROBS,  # n x top_logprobs / logprobs (x prompts)
+    "max_prompt_chars": settings.MAX_PROMPT_CHARS,  # all messages' or text prompts' characters
+    "max_choices": settings.MAX_CHOICES,  # prompts x n
+}
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
 @extend_schema_field({"oneOf": [
-    {"type": "string"},
+    {"type": "string", "maxLength": settings.MAX_PROMPT_CHARS},
     {"type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["type", "text"],
-                                "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
+                                "properties": {"type": {"type": "string", "enum": ["text"]},
+                                               "text": {"type": "string", "maxLength": settings.MAX_PROMPT_CHARS}}}},
 ]})
 class ContentField(serializers.JSONField):
     """A message's content: a string, or an array of text parts."""
 
 
 @extend_schema_field({"oneOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": protocol.MAX_STOP},
+    {"type": "string", "minLength": 1, "maxLength": settings.MAX_STOP_CHARS},
+    {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": settings.MAX_STOP_CHARS},
+     "maxItems": settings.MAX_STOP},
 ]})
 class StopField(serializers.JSONField):
-    """`stop`: one string or up to MAX_STOP strings."""
+    """`stop`: one string or up to MAX_STOP strings of at most MAX_STOP_CHARS characters."""
 
 
 @extend_schema_field({"oneOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": protocol.MAX_PROMPTS},
+    {"type": "string", "minLength": 1, "maxLength": settings.MAX_PROMPT_CHARS},
+    {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": settings.MAX_PROMPT_CHARS},
+     "minItems": 1, "maxItems": protocol.MAX_PROMPTS},
     _TOKEN_IDS,
     {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": protocol.MAX_PROMPTS},
 ]})
@@ -71,7 +85,10 @@ class StreamOptions(serializers.Serializer):
 class _Sampling(serializers.Serializer):
     model = serializers.CharField(required=False, help_text="The served model's id (GET /v1/models).")
     n = serializers.IntegerField(required=False, min_value=1, max_value=protocol.MAX_N)
-    max_tokens = serializers.IntegerField(required=False, min_value=1, max_value=MAX_TOKENS)
+    max_tokens = serializers.IntegerField(
+        required=False, min_value=1, max_value=MAX_TOKENS,
+        help_text=f"n x max_tokens (x prompts) at most {settings.MAX_REQUEST_TOKENS}.",
+    )
     temperature = serializers.FloatField(required=False, min_value=0, max_value=2)
     top_p = serializers.FloatField(required=False, min_value=0, max_value=1)
     top_k = serializers.IntegerField(required=False, min_value=-1, max_value=MAX_TOP_K)
@@ -81,9 +98,10 @@ class _Sampling(serializers.Serializer):
     repetition_penalty = serializers.FloatField(required=False, min_value=0, max_value=10)
     # Choice i of a seeded request samples with seed + i, so the top MAX_N seeds are refused.
     seed = serializers.IntegerField(required=False, min_value=-(2**63), max_value=2**63 - 1 - protocol.MAX_N)
-    stop = StopField(required=False, help_text="A string or up to 4 strings.")
+    stop = StopField(required=False, help_text=f"A string or up to {settings.MAX_STOP} strings, "
+                                               f"each of at most {settings.MAX_STOP_CHARS} characters.")
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
-                                           max_length=MAX_STOP_TOKEN_IDS)
+                                           max_length=settings.MAX_STOP_TOKEN_IDS)
     ignore_eos = serializers.BooleanField(required=False)
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptions(required=False)
@@ -95,15 +113,24 @@ class _Sampling(serializers.Serializer):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages = ChatMessage(many=True, help_text="At least one message, not all of them empty.")
-    max_completion_tokens = serializers.IntegerField(required=False, min_value=1, max_value=MAX_TOKENS)
+    messages = ChatMessage(many=True, help_text=(
+        f"At least one message, not all of them empty; at most {settings.MAX_MESSAGES} messages "
+        f"of {settings.MAX_PROMPT_CHARS} characters together."))
+    max_completion_tokens = serializers.IntegerField(
+        required=False, min_value=1, max_value=MAX_TOKENS,
+        help_text=f"n x max_completion_tokens at most {settings.MAX_REQUEST_TOKENS}.",
+    )
     logprobs = serializers.BooleanField(required=False)
-    top_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=20)
+    top_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=MAX_LOGPROBS,
+                                            help_text=f"n x top_logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
 
 
 class CompletionRequest(_Sampling):
-    prompt = PromptField(help_text="A string, an array of strings, an array of token ids, or an array of such arrays.")
-    logprobs = serializers.IntegerField(required=False, min_value=0, max_value=protocol.MAX_COMPLETION_LOGPROBS)
+    prompt = PromptField(help_text=(
+        "A string, an array of strings, an array of token ids, or an array of such arrays; text prompts of at "
+        f"most {settings.MAX_PROMPT_CHARS} characters together, at most {settings.MAX_CHOICES} choices (prompts x n)."))
+    logprobs = serializers.IntegerField(required=False, min_value=0, max_value=protocol.MAX_COMPLETION_LOGPROBS,
+                                        help_text=f"n x prompts x logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
     echo = serializers.BooleanField(required=False)
 
 
@@ -175,7 +202,7 @@ def _errors(*statuses: int) -> dict:
         401: "Missing or invalid API key",
         403: "Priority above the tier's lane",
         404: "Unknown model",
-        413: "Body over MAX_REQUEST_BYTES",
+        413: "Body over MAX_REQUEST_BYTES, or prompt text over MAX_PROMPT_CHARS",
         429: "Rate limit, monthly budget or lane capacity; see Retry-After",
         503: "The model is loading or the engine is unavailable; see Retry-After",
     }
@@ -267,15 +294,17 @@ class EngineStatsDoc(_Documented):
 
 def close_request_bodies(result: dict, generator, request, public) -> dict:
     """drf-spectacular postprocessing hook: what serializer fields cannot say. Request bodies
-    take only the fields they list, a chat takes at least one message, and top_p and
-    repetition_penalty must be above 0 (OpenAPI 3.0's boolean exclusiveMinimum)."""
+    take only the fields they list, a chat takes 1..MAX_MESSAGES messages, and top_p and
+    repetition_penalty must be above 0 (OpenAPI 3.0's boolean exclusiveMinimum), and the bounds
+    over several fields (`x-request-bounds`)."""
     schemas = result.get("components", {}).get("schemas", {})
     schemas["StreamOptionsRequest"]["additionalProperties"] = False
     for name in ("ChatCompletionRequestRequest", "CompletionRequestRequest"):
         schemas[name]["additionalProperties"] = False
+        schemas[name]["x-request-bounds"] = dict(REQUEST_BOUNDS)
         for field in ("top_p", "repetition_penalty"):
             schemas[name]["properties"][field]["exclusiveMinimum"] = True
-    schemas["ChatCompletionRequestRequest"]["properties"]["messages"]["minItems"] = 1
+    schemas["ChatCompletionRequestRequest"]["properties"]["messages"].update(minItems=1, maxItems=settings.MAX_MESSAGES)
     return result
 
 

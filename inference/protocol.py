@@ -6,6 +6,11 @@ error shape) naming the parameter at fault, so no bad input reaches the engine. 
 sampling limits themselves are the engine's (`SamplingParams.validate`), translated here
 into the same error shape.
 
+The bounds on what a request may cost (stop strings, messages, prompt size, n x max_tokens,
+logprobs x n, prompts x n) are settings (config/settings.py, "request bounds"), read here
+at each request and published by `inference.openapi` from the same names. They hold on every
+path that takes a generation: REST, the WebSocket `start` message and batch input lines.
+
 Unknown fields are refused (as OpenAI does) rather than silently ignored; fields that
 OpenAI clients routinely send with a neutral value (`null`, `n: 1`, `logit_bias: {}`)
 are accepted.
@@ -17,12 +22,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
+
 from inference.engine.errors import InvalidRequestError
 from inference.engine.sequence import MAX_LOGPROBS, SamplingParams
 from tenants.errors import ApiError
 
 MAX_N = 16
-MAX_STOP = 4  # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 MAX_PROMPTS = 64
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -44,6 +50,10 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "b
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> ApiError:
     return ApiError(400, message, code=code, param=param)
+
+
+def too_large(message: str, param: str) -> ApiError:
+    return ApiError(413, message, code="request_too_large", param=param)
 
 
 @dataclass(frozen=True)
@@ -215,10 +225,14 @@ def _stop(data: dict) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad_request("'stop' must be a string or an array of strings.", "stop", "invalid_type")
-    if len(stop) > MAX_STOP:
-        raise bad_request(f"'stop' takes at most {MAX_STOP} sequences, got {len(stop)}.", "stop", "invalid_value")
+    if len(stop) > settings.MAX_STOP:
+        raise bad_request(f"'stop' takes at most {settings.MAX_STOP} sequences, got {len(stop)}.", "stop", "invalid_value")
     if any(not s for s in stop):
         raise bad_request("'stop' sequences must not be empty.", "stop", "invalid_value")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > settings.MAX_STOP_CHARS:
+        raise bad_request(f"'stop' sequences take at most {settings.MAX_STOP_CHARS} characters each, got {longest}.",
+                          "stop", "invalid_value")
     return tuple(stop)
 
 
@@ -226,8 +240,10 @@ def _stop_token_ids(data: dict) -> tuple[int, ...]:
     ids = data.get("stop_token_ids")
     if ids is None:
         return ()
-    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids) or len(ids) > 64:
-        raise bad_request("'stop_token_ids' must be an array of at most 64 non-negative integers.", "stop_token_ids", "invalid_type")
+    limit = settings.MAX_STOP_TOKEN_IDS
+    if not isinstance(ids, list) or len(ids) > limit or not all(_is_int(t) and t >= 0 for t in ids):
+        raise bad_request(f"'stop_token_ids' must be an array of at most {limit} non-negative integers.",
+                          "stop_token_ids", "invalid_type")
     return tuple(int(t) for t in ids)
 
 
@@ -339,6 +355,9 @@ def _messages(data: dict) -> tuple[dict, ...]:
         raise bad_request(f"'messages' must be an array, not {_type_name(messages)}.", "messages", "invalid_type")
     if not messages:
         raise bad_request("'messages' must not be empty.", "messages", "empty_array")
+    if len(messages) > settings.MAX_MESSAGES:
+        raise bad_request(f"'messages' takes at most {settings.MAX_MESSAGES} messages, got {len(messages)}.",
+                          "messages", "invalid_value")
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -352,7 +371,30 @@ def _messages(data: dict) -> tuple[dict, ...]:
         parsed.append({"role": "system" if role == "developer" else role, "content": _content(message, i)})
     if all(not m["content"] for m in parsed):
         raise bad_request("Every message is empty.", "messages", "empty_prompt")
+    _check_prompt_chars(sum(len(m["content"]) for m in parsed), "messages")
     return tuple(parsed)
+
+
+def _check_prompt_chars(chars: int, param: str) -> None:
+    if chars > settings.MAX_PROMPT_CHARS:
+        raise too_large(f"'{param}' holds {chars} characters; at most {settings.MAX_PROMPT_CHARS} are accepted.", param)
+
+
+def _check_totals(n: int, max_tokens: int | None, max_tokens_param: str, logprobs: int | None, logprobs_param: str) -> None:
+    """Bounds on the whole request: its `n` choices (times the prompts of a completion) each
+    cost their max_tokens and their logprobs alternatives."""
+    if max_tokens is not None and n * max_tokens > settings.MAX_REQUEST_TOKENS:
+        raise bad_request(
+            f"{n} choices x '{max_tokens_param}' {max_tokens} = {n * max_tokens} tokens; a request may ask for "
+            f"at most {settings.MAX_REQUEST_TOKENS}. Lower '{max_tokens_param}' or 'n'.",
+            max_tokens_param, "invalid_value",
+        )
+    if logprobs and n * logprobs > settings.MAX_REQUEST_LOGPROBS:
+        raise bad_request(
+            f"{n} choices x '{logprobs_param}' {logprobs} = {n * logprobs} alternatives a token; a request may ask for "
+            f"at most {settings.MAX_REQUEST_LOGPROBS}. Lower '{logprobs_param}' or 'n'.",
+            logprobs_param, "invalid_value",
+        )
 
 
 def parse_chat(data: dict) -> GenerationRequest:
@@ -369,13 +411,18 @@ def parse_chat(data: dict) -> GenerationRequest:
     top = _int(data, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs", "invalid_value")
+    messages = _messages(data)
+    max_tokens = _max_tokens(data, "max_completion_tokens", "max_tokens")
+    max_tokens_param = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    common = _common(data)
+    _check_totals(common["n"], max_tokens, max_tokens_param, top, "top_logprobs")
     return GenerationRequest(
         kind="chat",
-        messages=_messages(data),
-        max_tokens=_max_tokens(data, "max_completion_tokens", "max_tokens"),
-        max_tokens_param="max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens",
+        messages=messages,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         logprobs=(top or 0) if logprobs else None,
-        **_common(data),
+        **common,
     )
 
 
@@ -406,6 +453,7 @@ def _prompts(data: dict) -> tuple[str | tuple[int, ...], ...]:
         )
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"'prompt' takes at most {MAX_PROMPTS} prompts, got {len(prompts)}.", "prompt", "invalid_value")
+    _check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
     out: list[str | tuple[int, ...]] = []
     for p in prompts:
         if isinstance(p, str):
@@ -425,13 +473,18 @@ def parse_completion(data: dict) -> GenerationRequest:
     if best_of is not None and best_of != common["n"]:
         raise bad_request("'best_of' different from 'n' is not supported by this server.", "best_of", "unsupported_parameter")
     prompts = _prompts(data)
-    if len(prompts) * common["n"] > MAX_N * 4:
-        raise bad_request(f"At most {MAX_N * 4} choices per request (prompts x n).", "n", "invalid_value")
+    choices = len(prompts) * common["n"]
+    if choices > settings.MAX_CHOICES:
+        raise bad_request(f"At most {settings.MAX_CHOICES} choices per request (prompts x n), got {choices}.",
+                          "n", "invalid_value")
+    max_tokens = _max_tokens(data, "max_tokens")
+    logprobs = _int(data, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    _check_totals(choices, max_tokens, "max_tokens", logprobs, "logprobs")
     return GenerationRequest(
         kind="completion",
         prompts=prompts,
-        max_tokens=_max_tokens(data, "max_tokens"),
-        logprobs=_int(data, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
+        max_tokens=max_tokens,
+        logprobs=logprobs,
         echo=_bool(data, "echo"),
         **common,
     )

@@ -12,16 +12,26 @@ TIERS: dict[str, dict] = {
     "hostile-p0": {"lane": 0, **BIG},
     "hostile-p1": {"lane": 1, **BIG},
     "hostile-p2": {"lane": 2, **BIG, "allow_batch": True},
+    # tests/security/test_input_bounds.py: a tier whose own max_tokens lets n x max_tokens reach
+    # the request bound (MAX_REQUEST_TOKENS) before the tier's limit does.
+    "bounds-wide": {"lane": 1, **{**BIG, "max_tokens_per_request": 8192}},
 }
 
 # tenant name -> tier name
 TENANTS: dict[str, str] = {
     # the bystander whose latency the attacks must not move
     "bystander": "hostile-p1",
+    # tests/security/test_input_bounds.py
+    "bounds": "bounds-wide",
+    "bounds-bystander": "hostile-p1",
+    "bounds-batch": "hostile-p2",
 }
 
 # Settings of the live server (environment variables).
 ENV: dict[str, str] = {
     "SSE_HEARTBEAT_S": "0.5",
     "WS_AUTH_TIMEOUT_S": "2",
+    # tests/security/test_input_bounds.py: under the live server's 256 KiB body limit, so a prompt
+    # past it meets this bound rather than the body's.
+    "MAX_PROMPT_CHARS": "65536",
 }

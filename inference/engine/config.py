@@ -93,6 +93,9 @@ class EngineConfig:
     # Per lane (P0, P1, P2): the most requests allowed to wait, and how long one may wait.
     lane_max_waiting: tuple[int, int, int] = (256, 1024, 100_000)
     lane_queue_timeout_s: tuple[float, float, float] = (30.0, 120.0, 24 * 3600.0)
+    # The most of a lane's waiting queue (a fraction of lane_max_waiting) one tenant's requests
+    # may hold, so one tenant cannot fill a lane and turn every other tenant's request away.
+    tenant_queue_share: float = 0.5
     seed: int = 0
 
     def __post_init__(self):
@@ -117,5 +120,7 @@ class EngineConfig:
             raise InvalidRequestError("batch_prefill_tokens must not be negative", param="batch_prefill_tokens")
         if self.swap_space_bytes < 0 or self.max_swaps_per_step < 0:
             raise InvalidRequestError("swap_space_bytes and max_swaps_per_step must not be negative", param="swap_space_bytes")
+        if not 0 < self.tenant_queue_share <= 1:
+            raise InvalidRequestError("tenant_queue_share must be in (0, 1]", param="tenant_queue_share")
         if len(self.lane_max_waiting) != 3 or len(self.lane_queue_timeout_s) != 3:
             raise InvalidRequestError("lane limits take one value per lane (P0, P1, P2)", param="lane_max_waiting")

@@ -22,6 +22,7 @@ from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
 from inference.engine.scheduler import Scheduler
 from inference.engine.sequence import LANES, RequestOutput, SamplingParams, Sequence
+from inference.engine.stops import StopMatcher
 from inference.engine.tokenizer import Tokenizer
 
 
@@ -104,7 +105,7 @@ class LLMEngine:
         if lane not in LANES:
             raise InvalidRequestError(f"lane must be one of {LANES}", param="priority")
         if admission_control:
-            self._admission_control(lane, params)
+            self._admission_control(lane, tenant_id)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self.requests:
@@ -141,19 +142,28 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.detokenizer()
+        if params.stop:
+            seq.stop_matcher = StopMatcher(params.stop)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(token_ids)
         return seq
 
-    def _admission_control(self, lane: int, params: SamplingParams) -> None:
-        """Refuse (QueueFullError with a retry-after) what the lane cannot take in time."""
-        waiting = self.scheduler.waiting
-        in_lane = sum(1 for s in waiting if s.lane == lane)
+    def _admission_control(self, lane: int, tenant_id: str | None) -> None:
+        """Refuse (QueueFullError with a retry-after) what the lane cannot take in time, and what
+        would take a tenant past its share of the lane's waiting queue."""
+        in_lane = [s for s in self.scheduler.waiting if s.lane == lane]
         wait = self._estimated_wait(lane)
-        if in_lane >= self.config.lane_max_waiting[lane]:
-            retry = max(1.0, wait / max(1, in_lane))
-            raise QueueFullError(f"lane P{lane} has {in_lane} requests waiting, its limit", retry_after_s=retry, lane=lane)
+        retry = max(1.0, wait / max(1, len(in_lane)))  # about when the first one ahead leaves
+        limit = self.config.lane_max_waiting[lane]
+        if len(in_lane) >= limit:
+            raise QueueFullError(f"lane P{lane} has {len(in_lane)} requests waiting, its limit", retry_after_s=retry, lane=lane)
+        share = max(1, int(limit * self.config.tenant_queue_share))
+        if tenant_id is not None and sum(1 for s in in_lane if s.tenant_id == tenant_id) >= share:
+            raise QueueFullError(
+                f"this tenant already has {share} requests waiting in lane P{lane}, its share of the lane's queue",
+                retry_after_s=retry, lane=lane,
+            )
         timeout = self.config.lane_queue_timeout_s[lane]
         if wait > timeout:
             raise QueueFullError(
@@ -288,17 +298,15 @@ class LLMEngine:
         if reason is not None:
             detok.flush()
         text, sent = detok.text, seq.text_sent
-        stops = seq.params.stop
         end = len(text)
-        if stops:
-            window = max(0, sent - max(len(s) for s in stops) + 1)
-            hits = [(i, s) for s in stops if (i := text.find(s, window)) != -1]
-            if hits:
-                i, s = min(hits)
+        if seq.stop_matcher is not None:
+            hit = seq.stop_matcher.feed(text)
+            if hit:
+                i, s = hit
                 end = i + len(s) if seq.params.include_stop_str_in_output else i
                 reason = "stop"
             elif reason is None:
-                end -= max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                end -= seq.stop_matcher.holdback()
         delta = text[sent:end] if end > sent else ""
         seq.text_sent = max(sent, end)
         return delta, reason

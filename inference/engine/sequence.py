@@ -18,7 +18,12 @@ from inference.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 LANES = (0, 1, 2)
+# Hard ceilings whatever a caller passes (the API's own bounds are lower, in its settings): the
+# stop matcher's tables cost the stops' total length once per request, and every sampled token
+# is looked up in stop_token_ids.
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 65_536  # all stop strings of a request together
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _check(ok: bool, message: str, param: str) -> None:
@@ -71,6 +76,8 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), "seed must be an integer", "seed")
         _check(len(self.stop) <= MAX_STOP_SEQUENCES, f"at most {MAX_STOP_SEQUENCES} stop sequences", "stop")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop sequences must be non-empty strings", "stop")
+        _check(sum(map(len, self.stop)) <= MAX_STOP_CHARS, f"stop sequences hold at most {MAX_STOP_CHARS} characters together", "stop")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean", "ignore_eos")
         _check(
@@ -141,6 +148,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer when the engine has a tokenizer
+    stop_matcher: Any = None  # stops.StopMatcher when the request has stop strings
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     text_sent: int = 0  # characters of the detokenized output already released
 

@@ -366,6 +366,23 @@ def test_a_full_lane_refuses_with_a_retry_after():
     assert sorted(outputs) == ["a", "c", "d"]
 
 
+def test_one_tenant_cannot_hold_more_than_its_share_of_a_lanes_waiting_queue():
+    engine = fake_engine(lane_max_waiting=(8, 4, 8), tenant_queue_share=0.5)
+    for i in range(2):
+        engine.add_request(f"greedy{i}", [1, 2], params(2), lane=1, tenant_id="greedy")
+    with pytest.raises(QueueFullError) as refused:
+        engine.add_request("greedy2", [1, 2], params(2), lane=1, tenant_id="greedy")
+    assert refused.value.lane == 1 and refused.value.retry_after_s >= 1
+    assert "share" in refused.value.message and "greedy2" not in engine.requests
+    # Another tenant still finds room in the lane, and the greedy one in another lane.
+    engine.add_request("other0", [1, 2], params(2), lane=1, tenant_id="other")
+    engine.add_request("greedy-p2", [1, 2], params(2), lane=2, tenant_id="greedy")
+    # Once its requests leave the queue (admitted), the tenant may queue again.
+    run_to_completion(engine)
+    engine.add_request("greedy3", [1, 2], params(2), lane=1, tenant_id="greedy")
+    assert sorted(run_to_completion(engine)) == ["greedy3"]
+
+
 def test_a_request_whose_estimated_wait_exceeds_the_lane_timeout_is_refused():
     engine = fake_engine(max_num_seqs=2, lane_queue_timeout_s=(30.0, 1e-9, 3600.0))
     engine.add_request("warmup", [1, 2, 3], params(4), lane=2)
