@@ -219,6 +219,24 @@ SSE_HEARTBEAT_S = env.float("SSE_HEARTBEAT_S", default=15.0)
 # A WebSocket that does not authenticate (header or first message) within this long is closed.
 WS_AUTH_TIMEOUT_S = env.float("WS_AUTH_TIMEOUT_S", default=10.0)
 
+# --- uploads, probes and service tokens (issue 24, `uploads`) ---
+# Batch files are parsed on a pool of their own, never on the thread Django runs its other
+# views on: two at a time keep one core for everything else on a small box.
+FILES_UPLOAD_WORKERS = env.int("FILES_UPLOAD_WORKERS", default=2)
+# /readyz turns 503 when the engine thread has been inside one loop iteration (one step,
+# while it has work) for longer than this: a decode step takes milliseconds and a long
+# chunked prefill step well under a second, so 30 s is stuck, not slow.
+READYZ_ENGINE_STALL_S = env.float("READYZ_ENGINE_STALL_S", default=30.0)
+# The service token's three roles, each its own secret so that a leaked batch worker token
+# cannot read operator endpoints (and a metrics scraper's cannot run batch items). Each
+# defaults to INTERNAL_API_TOKEN, so a deployment with one token keeps working.
+OPERATOR_API_TOKEN = env.str("OPERATOR_API_TOKEN", default=INTERNAL_API_TOKEN)
+BATCH_WORKER_TOKEN = env.str("BATCH_WORKER_TOKEN", default=INTERNAL_API_TOKEN)
+METRICS_TOKEN = env.str("METRICS_TOKEN", default=INTERNAL_API_TOKEN)
+# Whether /metrics is open without a token to requests from loopback. Off in production: a
+# proxy on the same host makes every request look local (and may add no X-Forwarded-For).
+METRICS_ALLOW_LOOPBACK = env.bool("METRICS_ALLOW_LOOPBACK", default=not PRODUCTION)
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM inference platform API",
     "DESCRIPTION": (

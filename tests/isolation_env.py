@@ -18,6 +18,8 @@ TIERS: dict[str, dict] = {
 TENANTS: dict[str, str] = {
     # the bystander whose latency the attacks must not move
     "bystander": "hostile-p1",
+    # tests/security/test_file_upload_bounds.py
+    "uploads-acme": "hostile-p2",
 }
 
 # Settings of the live server (environment variables).
