@@ -77,7 +77,7 @@ class Answer:
 
 async def _post(client: httpx.AsyncClient, item: BatchItem, request_id: str) -> Answer:
     url = settings.BATCH_ENGINE_URL.rstrip("/") + INTERNAL_PATHS[item.url]
-    headers = {"Authorization": f"Bearer {settings.INTERNAL_API_TOKEN}", "X-Tenant-Id": str(item.batch.tenant_id),
+    headers = {"Authorization": f"Bearer {settings.BATCH_WORKER_TOKEN}", "X-Tenant-Id": str(item.batch.tenant_id),
                "X-Request-Id": request_id}
     response = await client.post(url, json=item.body, headers=headers)
     try:
