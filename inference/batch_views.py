@@ -9,6 +9,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -116,6 +117,7 @@ class FileList(TenantAPIView):
         purpose = request.data.get("purpose")
         if not purpose:
             raise ApiError(400, "'purpose' is required (\"batch\").", code="missing_required_parameter", param="purpose")
+        _check_storage(request.user, upload.size)
         file = batches.upload_file(request.user, upload.name or "", upload, purpose)
         return Response(batches.file_object(file))
 
@@ -126,6 +128,16 @@ class FileList(TenantAPIView):
         if request.query_params.get("purpose"):
             files = files.filter(purpose=request.query_params["purpose"])
         return Response(_page(files, request, batches.file_object))
+
+
+def _check_storage(tenant, size: int) -> None:
+    """A tenant's files (inputs and outputs) stay under FILES_MAX_STORED_BYTES. Two uploads
+    racing may both pass: the bound is exceeded by at most the uploads in flight."""
+    stored = File.objects.filter(tenant=tenant).aggregate(total=Sum("bytes"))["total"] or 0
+    limit = settings.FILES_MAX_STORED_BYTES
+    if stored + size > limit:
+        raise ApiError(400, f"This organization's files would take {stored + size} bytes, over its limit of {limit}; "
+                            "delete files it no longer needs.", code="storage_limit_exceeded", param="file")
 
 
 # Under ASGI Django runs every sync view on one shared thread: a large upload parsed there

@@ -131,3 +131,27 @@ def test_an_upload_with_a_valid_key_that_expects_100_continue_gets_it_and_is_sto
         sock.sendall(body)
         status, stored = read_response(sock)
     assert status == 200 and stored["object"] == "file" and stored["bytes"] == len(content)
+
+
+# --- stored bytes per tenant ----------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tenant_cannot_store_files_past_its_limit(client, settings, redis):
+    from tenants import actions
+    from tenants.models import QuotaTier
+
+    content = (chat_line("a") + "\n").encode()
+    settings.FILES_MAX_STORED_BYTES = 2 * len(content)
+    key = actions.issue_key(actions.create_tenant("acme", QuotaTier.objects.get(name="batch"))).plaintext
+    other = actions.issue_key(actions.create_tenant("globex", QuotaTier.objects.get(name="batch"))).plaintext
+
+    def post(api_key: str):
+        return client.post("/v1/files", {"purpose": "batch", "file": io.BytesIO(content)},
+                           HTTP_AUTHORIZATION=f"Bearer {api_key}")
+
+    assert [post(key).status_code for _ in range(2)] == [200, 200]
+    refused = post(key)
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("file", "storage_limit_exceeded")
+    assert post(other).status_code == 200  # another tenant's room is its own
