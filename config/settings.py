@@ -223,6 +223,9 @@ WS_AUTH_TIMEOUT_S = env.float("WS_AUTH_TIMEOUT_S", default=10.0)
 # Batch files are parsed on a pool of their own, never on the thread Django runs its other
 # views on: two at a time keep one core for everything else on a small box.
 FILES_UPLOAD_WORKERS = env.int("FILES_UPLOAD_WORKERS", default=2)
+# Uploads of one tenant checked at once in one process: below FILES_UPLOAD_WORKERS, so one
+# tenant's files never hold the whole pool (a second one gets 429 and Retry-After).
+FILES_MAX_CONCURRENT_UPLOADS = env.int("FILES_MAX_CONCURRENT_UPLOADS", default=1)
 # All of one tenant's stored files (inputs and batch outputs): files live in the database,
 # so this is what one tenant may add to it; ten uploads of the largest size.
 FILES_MAX_STORED_BYTES = env.int("FILES_MAX_STORED_BYTES", default=10 * 100 * 1024**2)

@@ -3,7 +3,11 @@
 Every lookup is scoped to the caller's tenant, so another tenant's file or batch is a
 404, exactly like one that does not exist.
 """
+import threading
+from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -118,7 +122,8 @@ class FileList(TenantAPIView):
         if not purpose:
             raise ApiError(400, "'purpose' is required (\"batch\").", code="missing_required_parameter", param="purpose")
         _check_storage(request.user, upload.size)
-        file = batches.upload_file(request.user, upload.name or "", upload, purpose)
+        with upload_slot(request.user.pk):
+            file = batches.upload_file(request.user, upload.name or "", upload, purpose)
         return Response(batches.file_object(file))
 
     @extend_schema(operation_id="listFiles", tags=["files"], parameters=[
@@ -128,6 +133,30 @@ class FileList(TenantAPIView):
         if request.query_params.get("purpose"):
             files = files.filter(purpose=request.query_params["purpose"])
         return Response(_page(files, request, batches.file_object))
+
+
+_uploading: Counter = Counter()  # tenant id -> uploads being checked in this process
+_uploading_lock = threading.Lock()
+
+
+@contextmanager
+def upload_slot(tenant_id: int) -> Iterator[None]:
+    """One of the tenant's FILES_MAX_CONCURRENT_UPLOADS slots in this process, or a 429: the
+    upload pool is shared, and one tenant's files must not hold all of it."""
+    limit = settings.FILES_MAX_CONCURRENT_UPLOADS
+    with _uploading_lock:
+        if _uploading[tenant_id] >= limit:
+            raise ApiError(429, f"This organization already has {limit} upload(s) being checked; retry when "
+                                "it finishes.", type="requests", code="too_many_uploads", param="file",
+                           headers={"Retry-After": "2"})
+        _uploading[tenant_id] += 1
+    try:
+        yield
+    finally:
+        with _uploading_lock:
+            _uploading[tenant_id] -= 1
+            if not _uploading[tenant_id]:
+                del _uploading[tenant_id]
 
 
 def _check_storage(tenant, size: int) -> None:

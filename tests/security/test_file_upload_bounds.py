@@ -155,3 +155,18 @@ def test_a_tenant_cannot_store_files_past_its_limit(client, settings, redis):
     assert refused.status_code == 400
     assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("file", "storage_limit_exceeded")
     assert post(other).status_code == 200  # another tenant's room is its own
+
+
+def test_a_tenant_checks_one_upload_at_a_time_and_others_keep_their_own(settings):
+    from inference.batch_views import upload_slot
+
+    settings.FILES_MAX_CONCURRENT_UPLOADS = 1
+    with upload_slot(1):
+        with pytest.raises(ApiError) as caught, upload_slot(1):
+            pass
+        assert (caught.value.status, caught.value.code, caught.value.param) == (429, "too_many_uploads", "file")
+        assert caught.value.headers["Retry-After"]
+        with upload_slot(2):  # another tenant
+            pass
+    with upload_slot(1):  # the slot came back
+        pass
