@@ -169,19 +169,24 @@ def _check_storage(tenant, size: int) -> None:
                             "delete files it no longer needs.", code="storage_limit_exceeded", param="file")
 
 
-# Under ASGI Django runs every sync view on one shared thread: a large upload parsed there
-# (a 40 MiB file took 14 s) held up every other tenant's request. Uploads run on a small
-# pool of their own instead, FILES_UPLOAD_WORKERS at a time; the rest queue for it.
+# Under ASGI Django runs every sync view on one shared thread: a large file parsed there
+# (a 40 MiB upload took 14 s) held up every other tenant's request. Uploads, and batch
+# creation (which reads the file's lines again), run on a small pool of their own instead,
+# FILES_UPLOAD_WORKERS at a time; the rest queue for it.
 _upload_pool = ThreadPoolExecutor(max_workers=settings.FILES_UPLOAD_WORKERS, thread_name_prefix="file-upload")
-_file_list = FileList.as_view()
 
 
-@csrf_exempt  # as DRF's own views: clients authenticate by key, not by cookie
-async def files(request: HttpRequest) -> HttpResponse:
-    """/v1/files: `FileList`, its uploads off the thread that serves Django's other views."""
-    if request.method == "POST":
-        return await database_sync_to_async(_file_list, thread_sensitive=False, executor=_upload_pool)(request)
-    return await sync_to_async(_file_list)(request)
+def _posts_off_the_shared_thread(view_class: type[TenantAPIView]):
+    view = view_class.as_view()
+
+    @csrf_exempt  # as DRF's own views: clients authenticate by key, not by cookie
+    async def serve(request: HttpRequest) -> HttpResponse:
+        if request.method == "POST":
+            return await database_sync_to_async(view, thread_sensitive=False, executor=_upload_pool)(request)
+        return await sync_to_async(view)(request)
+
+    serve.__doc__ = f"{view_class.__doc__} (POST on the upload pool)"
+    return serve
 
 
 class FileDetail(TenantAPIView):
@@ -269,6 +274,10 @@ class BatchList(TenantAPIView):
                    responses={200: _list_schema("BatchList", "Batch", BATCH_FIELDS)})
     def get(self, request: Request) -> Response:
         return Response(_page(Batch.objects.filter(tenant=request.user), request, batches.batch_object))
+
+
+files = _posts_off_the_shared_thread(FileList)
+batch_list = _posts_off_the_shared_thread(BatchList)
 
 
 class BatchDetail(TenantAPIView):

@@ -96,9 +96,11 @@ def test_a_line_longer_than_a_request_body_is_refused_without_being_held_whole(s
     assert caught.value.param == "file" and "line 2: the line is longer than 4096 bytes" in caught.value.message
 
 
-def test_uploads_are_served_off_the_thread_of_djangos_other_views():
-    # Under ASGI Django runs every sync view on one shared thread; an async view is not.
+def test_uploads_and_batch_creation_are_served_off_the_thread_of_djangos_other_views():
+    # Under ASGI Django runs every sync view on one shared thread; an async view is not, and
+    # these two read a whole file's lines.
     assert asyncio.iscoroutinefunction(resolve("/v1/files").func)
+    assert asyncio.iscoroutinefunction(resolve("/v1/batches").func)
 
 
 # --- authentication before the body ---------------------------------------------------------
