@@ -230,9 +230,10 @@ FILES_MAX_CONCURRENT_UPLOADS = env.int("FILES_MAX_CONCURRENT_UPLOADS", default=1
 # so this is what one tenant may add to it; ten uploads of the largest size.
 FILES_MAX_STORED_BYTES = env.int("FILES_MAX_STORED_BYTES", default=10 * 100 * 1024**2)
 # /readyz turns 503 when the engine thread has been inside one loop iteration (one step,
-# while it has work) for longer than this: a decode step takes milliseconds and a long
-# chunked prefill step well under a second, so 30 s is stuck, not slow.
-READYZ_ENGINE_STALL_S = env.float("READYZ_ENGINE_STALL_S", default=30.0)
+# while it has work) for longer than this: a decode step takes milliseconds and a full
+# chunked-prefill step about a second on CPU; a first CUDA step that compiles its Triton
+# kernels can take tens of seconds, so 60 s is stuck, not slow or warming up.
+READYZ_ENGINE_STALL_S = env.float("READYZ_ENGINE_STALL_S", default=60.0)
 # The service token's three roles, each its own secret so that a leaked batch worker token
 # cannot read operator endpoints (and a metrics scraper's cannot run batch items). Each
 # defaults to INTERNAL_API_TOKEN, so a deployment with one token keeps working.
