@@ -6,6 +6,7 @@ carried that page into the batch's error file.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,11 +27,10 @@ BALANCER_PAGE = (b"<html><head><title>502 Bad Gateway</title></head><body><cente
 def test_a_request_to_an_engine_that_failed_to_load_does_not_see_the_servers_paths(settings):
     settings.INFERENCE = {**settings.INFERENCE, "MODEL": f"{SECRET_DIR}/model.gguf"}
     host = EngineHost()
-    host.start()
-    assert host._ready.wait(120), "the engine never finished failing to load"
-    assert SECRET_DIR in host.error  # operators keep the detail (/api/v1/engine/stats, logs)
     with pytest.raises(EngineUnavailable) as caught:
-        host.engine()
+        asyncio.run(host.wait_engine(timeout=120))
+    assert caught.value.state == "failed"
+    assert SECRET_DIR in host.error  # operators keep the detail (/api/v1/engine/stats, logs)
     error = engine_error(caught.value)
     assert (error.status, error.code) == (503, "engine_unavailable") and error.headers["Retry-After"]
     assert SECRET_DIR not in error.message and "Error" not in error.message

@@ -19,12 +19,21 @@ from django.urls import resolve
 
 from inference import catalog
 from inference.batch_files import parse_input
+from tenants import actions
 from tenants.errors import ApiError
 from tests.live import LiveServer
 
 TIMEOUT_S = 60  # a hang guard for each request, never a timing assertion
 BATCH_MAX_LINES = 50_000  # the live server's default
 BOUNDARY = "uploadsboundary"
+
+
+def batch_tier():
+    """A tier of this module's own: transactional tests flush the migrations' seeded tiers."""
+    tier, _ = actions.save_tier("uploads-batch", lane=2, requests_per_minute=1000, tokens_per_minute=10**6,
+                                concurrent_streams=10, max_tokens_per_request=512, monthly_token_budget=10**9,
+                                allow_batch=True)
+    return tier
 
 
 def chat_line(custom_id: str) -> str:
@@ -141,12 +150,11 @@ def test_an_upload_with_a_valid_key_that_expects_100_continue_gets_it_and_is_sto
 @pytest.mark.django_db(transaction=True)
 def test_a_tenant_cannot_store_files_past_its_limit(client, settings, redis):
     from tenants import actions
-    from tenants.models import QuotaTier
-
+    
     content = (chat_line("a") + "\n").encode()
     settings.FILES_MAX_STORED_BYTES = 2 * len(content)
-    key = actions.issue_key(actions.create_tenant("acme", QuotaTier.objects.get(name="batch"))).plaintext
-    other = actions.issue_key(actions.create_tenant("globex", QuotaTier.objects.get(name="batch"))).plaintext
+    key = actions.issue_key(actions.create_tenant("acme", batch_tier())).plaintext
+    other = actions.issue_key(actions.create_tenant("globex", batch_tier())).plaintext
 
     def post(api_key: str):
         return client.post("/v1/files", {"purpose": "batch", "file": io.BytesIO(content)},

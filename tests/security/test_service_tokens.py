@@ -13,11 +13,18 @@ from channels.testing import HttpCommunicator
 
 from inference.internal import ServiceTokenMiddleware
 from tenants import actions
-from tenants.models import QuotaTier
 
 WORKER = "worker-token-0123456789-0123456789-abcdef"
 OPERATOR = "operator-token-0123456789-0123456789-abcd"
 METRICS = "metrics-token-0123456789-0123456789-abcde"
+
+
+def batch_tier():
+    """A tier of this module's own: transactional tests flush the migrations' seeded tiers."""
+    tier, _ = actions.save_tier("uploads-batch", lane=2, requests_per_minute=1000, tokens_per_minute=10**6,
+                                concurrent_streams=10, max_tokens_per_request=512, monthly_token_budget=10**9,
+                                allow_batch=True)
+    return tier
 
 
 @pytest.fixture
@@ -55,7 +62,7 @@ class _Reached:
 
 @pytest.mark.django_db(transaction=True)
 def test_only_the_batch_workers_token_runs_batch_items(tokens):
-    tenant = actions.create_tenant("acme", QuotaTier.objects.get(name="batch"))
+    tenant = actions.create_tenant("acme", batch_tier())
     reached = _Reached()
     app = ServiceTokenMiddleware(reached)
 
