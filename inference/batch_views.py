@@ -110,7 +110,12 @@ class FileList(TenantAPIView):
 
     parser_classes = [MultiPartParser]
 
-    @extend_schema(operation_id="createFile", tags=["files"], responses={200: FILE_SCHEMA},
+    @extend_schema(operation_id="createFile", tags=["files"], responses={200: FILE_SCHEMA}, description=(
+        f"A JSONL batch input file: at most {settings.FILES_MAX_BYTES} bytes and {settings.BATCH_MAX_LINES} lines "
+        f"(blank lines count), each line at most {settings.MAX_REQUEST_BYTES} bytes (400/413 naming `file`). "
+        f"A tenant's files take at most {settings.FILES_MAX_STORED_BYTES} bytes in all (400 "
+        f"`storage_limit_exceeded`), and {settings.FILES_MAX_CONCURRENT_UPLOADS} upload(s) per tenant are checked "
+        "at a time (429 `too_many_uploads`, with Retry-After). The key is checked before the body is read."),
                    request={"multipart/form-data": inline_serializer("FileUpload", {
                        "file": serializers.FileField(), "purpose": serializers.ChoiceField(choices=["batch"])})})
     def post(self, request: Request) -> Response:
