@@ -16,6 +16,7 @@ from django.urls import re_path  # noqa: E402
 
 from config import daphne_hooks  # noqa: E402
 from console.routing import console_routes  # noqa: E402
+from inference import upload_gate  # noqa: E402
 from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
@@ -24,6 +25,7 @@ MULTIPART_OVERHEAD = 64 * 1024  # form boundaries and the purpose field around a
 # Body limit while the body arrives, and RFC 6455 close codes for consumers (see daphne_hooks).
 daphne_hooks.install_body_limit(settings.MAX_REQUEST_BYTES, {"/v1/files": settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD})
 daphne_hooks.allow_endpoint_close_codes()
+upload_gate.install()  # POST /v1/files: the key is checked before the body is read
 
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a
 # browser page cannot attach to another site's socket, and most API clients send no Origin.

@@ -247,6 +247,30 @@ MAX_REQUEST_TOKENS = env.int("MAX_REQUEST_TOKENS", default=65_536)
 # Log-probability alternatives per generated position, over all choices (top_logprobs x n):
 # the most alternatives (20) on 5 choices, or 5 on 20.
 MAX_REQUEST_LOGPROBS = env.int("MAX_REQUEST_LOGPROBS", default=100)
+# --- uploads, probes and service tokens (issue 24, `uploads`) ---
+# Batch files are parsed on a pool of their own, never on the thread Django runs its other
+# views on: two at a time keep one core for everything else on a small box.
+FILES_UPLOAD_WORKERS = env.int("FILES_UPLOAD_WORKERS", default=2)
+# Uploads of one tenant checked at once in one process: below FILES_UPLOAD_WORKERS, so one
+# tenant's files never hold the whole pool (a second one gets 429 and Retry-After).
+FILES_MAX_CONCURRENT_UPLOADS = env.int("FILES_MAX_CONCURRENT_UPLOADS", default=1)
+# All of one tenant's stored files (inputs and batch outputs): files live in the database,
+# so this is what one tenant may add to it; ten uploads of the largest size.
+FILES_MAX_STORED_BYTES = env.int("FILES_MAX_STORED_BYTES", default=10 * 100 * 1024**2)
+# /readyz turns 503 when the engine thread has been inside one loop iteration (one step,
+# while it has work) for longer than this: a decode step takes milliseconds and a full
+# chunked-prefill step about a second on CPU; a first CUDA step that compiles its Triton
+# kernels can take tens of seconds, so 60 s is stuck, not slow or warming up.
+READYZ_ENGINE_STALL_S = env.float("READYZ_ENGINE_STALL_S", default=60.0)
+# The service token's three roles, each its own secret so that a leaked batch worker token
+# cannot read operator endpoints (and a metrics scraper's cannot run batch items). Each
+# defaults to INTERNAL_API_TOKEN, so a deployment with one token keeps working.
+OPERATOR_API_TOKEN = env.str("OPERATOR_API_TOKEN", default=INTERNAL_API_TOKEN)
+BATCH_WORKER_TOKEN = env.str("BATCH_WORKER_TOKEN", default=INTERNAL_API_TOKEN)
+METRICS_TOKEN = env.str("METRICS_TOKEN", default=INTERNAL_API_TOKEN)
+# Whether /metrics is open without a token to requests from loopback. Off in production: a
+# proxy on the same host makes every request look local (and may add no X-Forwarded-For).
+METRICS_ALLOW_LOOPBACK = env.bool("METRICS_ALLOW_LOOPBACK", default=not PRODUCTION)
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM inference platform API",

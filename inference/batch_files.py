@@ -8,10 +8,14 @@ with its line number.
 """
 from __future__ import annotations
 
+import io
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
+
+from django.conf import settings
 
 from inference import catalog
 from tenants.errors import ApiError
@@ -86,22 +90,59 @@ def _parse_line(raw: str) -> dict:
     return protocol.parse_body(raw.encode())
 
 
-def parse_input(content: bytes, max_lines: int) -> list[InputLine]:
-    """Every line of an uploaded batch file, or `FileRejected` naming the bad ones."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"The file is not valid UTF-8 (byte {exc.start}).", code="invalid_file", param="file") from None
+CHUNK_BYTES = 64 * 1024  # read size while splitting a file into lines
+
+
+def _raw_lines(source: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(offset, line without its end) for each line of `source`, read in chunks; None for a
+    line longer than `max_line_bytes`, which is skipped unread so no line costs more memory."""
+    offset, start, tail, too_long = 0, 0, b"", False
+    while chunk := source.read(CHUNK_BYTES):
+        pieces = chunk.split(b"\n")
+        for piece in pieces[:-1]:
+            line = None if too_long or len(tail) + len(piece) > max_line_bytes else tail + piece
+            yield start, line.removesuffix(b"\r") if line is not None else None
+            offset += len(piece) + 1
+            start, tail, too_long = offset, b"", False
+        rest = pieces[-1]
+        offset += len(rest)
+        if too_long or len(tail) + len(rest) > max_line_bytes:
+            tail, too_long = b"", True
+        else:
+            tail += rest
+    if tail or too_long:
+        yield start, None if too_long else tail.removesuffix(b"\r")
+
+
+def parse_input(source: bytes | BinaryIO, max_lines: int, max_line_bytes: int | None = None) -> list[InputLine]:
+    """Every line of an uploaded batch file, or `FileRejected` naming the bad ones.
+
+    Reads the file line by line: memory grows with the requests kept, never with the
+    file's size. Every line counts towards `max_lines`, blank ones too: a file of
+    millions of empty lines is as much work to read as one of requests."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(source)
+    if max_line_bytes is None:
+        max_line_bytes = settings.MAX_REQUEST_BYTES
     lines: list[InputLine] = []
     problems: list[tuple[int, str]] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
+    for number, (offset, raw) in enumerate(_raw_lines(source, max_line_bytes), start=1):
+        if number > max_lines:
+            raise ApiError(400, f"The file has more than {max_lines} lines (blank lines count).",
+                           code="too_many_lines", param="file")
+        if raw is None:
+            problems.append((number, f"the line is longer than {max_line_bytes} bytes"))
             continue
-        if len(lines) + len(problems) >= max_lines:
-            raise ApiError(400, f"The file has more than {max_lines} requests.", code="too_many_lines", param="file")
         try:
-            data = _parse_line(raw)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, f"The file is not valid UTF-8 (byte {offset + exc.start}).", code="invalid_file",
+                           param="file") from None
+        if not text.strip():
+            continue
+        try:
+            data = _parse_line(text)
         except ApiError as error:
             # The JSON parser counts lines inside the one line it saw: keep only its column.
             message = _PARSER_POSITION.sub(r"column \1", error.message)
@@ -124,7 +165,7 @@ def parse_input(content: bytes, max_lines: int) -> list[InputLine]:
 
 def parse_stored(content: bytes) -> list[InputLine]:
     """The lines of a file that passed `parse_input` at upload."""
-    return parse_input(content, max_lines=10**9)
+    return parse_input(content, max_lines=10**9, max_line_bytes=len(content))
 
 
 def output_line(item_id: str, custom_id: str, status_code: int | None, request_id: str,

@@ -3,9 +3,19 @@
 Every lookup is scoped to the caller's tenant, so another tenant's file or batch is a
 404, exactly like one that does not exist.
 """
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
-from django.http import HttpResponse
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+from django.conf import settings
+from django.db.models import Sum
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.negotiation import BaseContentNegotiation
@@ -100,7 +110,12 @@ class FileList(TenantAPIView):
 
     parser_classes = [MultiPartParser]
 
-    @extend_schema(operation_id="createFile", tags=["files"], responses={200: FILE_SCHEMA},
+    @extend_schema(operation_id="createFile", tags=["files"], responses={200: FILE_SCHEMA}, description=(
+        f"A JSONL batch input file: at most {settings.FILES_MAX_BYTES} bytes and {settings.BATCH_MAX_LINES} lines "
+        f"(blank lines count), each line at most {settings.MAX_REQUEST_BYTES} bytes (400/413 naming `file`). "
+        f"A tenant's files take at most {settings.FILES_MAX_STORED_BYTES} bytes in all (400 "
+        f"`storage_limit_exceeded`), and {settings.FILES_MAX_CONCURRENT_UPLOADS} upload(s) per tenant are checked "
+        "at a time (429 `too_many_uploads`, with Retry-After). The key is checked before the body is read."),
                    request={"multipart/form-data": inline_serializer("FileUpload", {
                        "file": serializers.FileField(), "purpose": serializers.ChoiceField(choices=["batch"])})})
     def post(self, request: Request) -> Response:
@@ -111,7 +126,9 @@ class FileList(TenantAPIView):
         purpose = request.data.get("purpose")
         if not purpose:
             raise ApiError(400, "'purpose' is required (\"batch\").", code="missing_required_parameter", param="purpose")
-        file = batches.upload_file(request.user, upload.name or "", upload.read(), purpose)
+        _check_storage(request.user, upload.size)
+        with upload_slot(request.user.pk):
+            file = batches.upload_file(request.user, upload.name or "", upload, purpose)
         return Response(batches.file_object(file))
 
     @extend_schema(operation_id="listFiles", tags=["files"], parameters=[
@@ -121,6 +138,60 @@ class FileList(TenantAPIView):
         if request.query_params.get("purpose"):
             files = files.filter(purpose=request.query_params["purpose"])
         return Response(_page(files, request, batches.file_object))
+
+
+_uploading: Counter = Counter()  # tenant id -> uploads being checked in this process
+_uploading_lock = threading.Lock()
+
+
+@contextmanager
+def upload_slot(tenant_id: int) -> Iterator[None]:
+    """One of the tenant's FILES_MAX_CONCURRENT_UPLOADS slots in this process, or a 429: the
+    upload pool is shared, and one tenant's files must not hold all of it."""
+    limit = settings.FILES_MAX_CONCURRENT_UPLOADS
+    with _uploading_lock:
+        if _uploading[tenant_id] >= limit:
+            raise ApiError(429, f"This organization already has {limit} upload(s) being checked; retry when "
+                                "it finishes.", type="requests", code="too_many_uploads", param="file",
+                           headers={"Retry-After": "2"})
+        _uploading[tenant_id] += 1
+    try:
+        yield
+    finally:
+        with _uploading_lock:
+            _uploading[tenant_id] -= 1
+            if not _uploading[tenant_id]:
+                del _uploading[tenant_id]
+
+
+def _check_storage(tenant, size: int) -> None:
+    """A tenant's files (inputs and outputs) stay under FILES_MAX_STORED_BYTES. Two uploads
+    racing may both pass: the bound is exceeded by at most the uploads in flight."""
+    stored = File.objects.filter(tenant=tenant).aggregate(total=Sum("bytes"))["total"] or 0
+    limit = settings.FILES_MAX_STORED_BYTES
+    if stored + size > limit:
+        raise ApiError(400, f"This organization's files would take {stored + size} bytes, over its limit of {limit}; "
+                            "delete files it no longer needs.", code="storage_limit_exceeded", param="file")
+
+
+# Under ASGI Django runs every sync view on one shared thread: a large file parsed there
+# (a 40 MiB upload took 14 s) held up every other tenant's request. Uploads, and batch
+# creation (which reads the file's lines again), run on a small pool of their own instead,
+# FILES_UPLOAD_WORKERS at a time; the rest queue for it.
+_upload_pool = ThreadPoolExecutor(max_workers=settings.FILES_UPLOAD_WORKERS, thread_name_prefix="file-upload")
+
+
+def _posts_off_the_shared_thread(view_class: type[TenantAPIView]):
+    view = view_class.as_view()
+
+    @csrf_exempt  # as DRF's own views: clients authenticate by key, not by cookie
+    async def serve(request: HttpRequest) -> HttpResponse:
+        if request.method == "POST":
+            return await database_sync_to_async(view, thread_sensitive=False, executor=_upload_pool)(request)
+        return await sync_to_async(view)(request)
+
+    serve.__doc__ = f"{view_class.__doc__} (POST on the upload pool)"
+    return serve
 
 
 class FileDetail(TenantAPIView):
@@ -208,6 +279,10 @@ class BatchList(TenantAPIView):
                    responses={200: _list_schema("BatchList", "Batch", BATCH_FIELDS)})
     def get(self, request: Request) -> Response:
         return Response(_page(Batch.objects.filter(tenant=request.user), request, batches.batch_object))
+
+
+files = _posts_off_the_shared_thread(FileList)
+batch_list = _posts_off_the_shared_thread(BatchList)
 
 
 class BatchDetail(TenantAPIView):

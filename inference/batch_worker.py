@@ -25,7 +25,7 @@ import httpx2 as httpx
 from django.conf import settings
 from django.db import close_old_connections
 
-from inference import batches
+from inference import batches, public_errors
 from inference.models import BatchItem
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,14 @@ class Answer:
 
 async def _post(client: httpx.AsyncClient, item: BatchItem, request_id: str) -> Answer:
     url = settings.BATCH_ENGINE_URL.rstrip("/") + INTERNAL_PATHS[item.url]
-    headers = {"Authorization": f"Bearer {settings.INTERNAL_API_TOKEN}", "X-Tenant-Id": str(item.batch.tenant_id),
+    headers = {"Authorization": f"Bearer {settings.BATCH_WORKER_TOKEN}", "X-Tenant-Id": str(item.batch.tenant_id),
                "X-Request-Id": request_id}
     response = await client.post(url, json=item.body, headers=headers)
     try:
-        body = response.json()
-    except ValueError:
-        body = {"error": {"message": response.text[:500], "type": "server_error", "param": None, "code": None}}
+        body = public_errors.response_body(response.json(), response.status_code)
+    except ValueError:  # a balancer's or proxy's page, never shown to the tenant
+        log.warning("engine endpoint answered %d with a non-JSON body: %.200r", response.status_code, response.text)
+        body = {"error": public_errors.upstream_error(response.status_code)}
     retry_after = response.headers.get("retry-after")
     return Answer(response.status_code, response.headers.get("x-request-id", request_id), body,
                   float(retry_after) if retry_after and retry_after.isdigit() else None)
@@ -147,7 +148,8 @@ def _stopped(item: BatchItem, token: str) -> bool:
 
 
 def _transport_error(exc: Exception) -> dict:
-    return {"code": "engine_unreachable", "message": f"{type(exc).__name__}: {exc}"[:500]}
+    log.warning("engine endpoint unreachable: %s: %s", type(exc).__name__, exc)
+    return public_errors.transport_error(exc)
 
 
 def _settle(item: BatchItem, token: str, answer: Answer) -> str:

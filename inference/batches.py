@@ -22,6 +22,7 @@ import random
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import BinaryIO
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -60,15 +61,25 @@ def require_batch_tier(tenant: Tenant) -> None:
                        type="permission_error", code="batch_not_allowed")
 
 
-def upload_file(tenant: Tenant, filename: str, content: bytes, purpose: str) -> File:
-    """Store an input file after checking every line (`batch_files.parse_input`)."""
+def upload_file(tenant: Tenant, filename: str, content: bytes | BinaryIO, purpose: str) -> File:
+    """Store an input file after checking every line (`batch_files.parse_input`).
+
+    `content` may be an uploaded file (Django spools large ones to disk): its lines are
+    checked straight from it, and its bytes read into memory once, for the row."""
     if purpose != File.Purpose.BATCH:
         raise ApiError(400, f"'purpose' must be \"batch\" (got {purpose!r}).", code="invalid_value", param="purpose")
     require_batch_tier(tenant)
-    if len(content) > settings.FILES_MAX_BYTES:
+    size = len(content) if isinstance(content, bytes) else content.size
+    if size > settings.FILES_MAX_BYTES:
         raise ApiError(413, f"The file is larger than this server's limit of {settings.FILES_MAX_BYTES} bytes.",
                        code="file_too_large", param="file")
-    batch_files.parse_input(content, settings.BATCH_MAX_LINES)
+    if not isinstance(content, bytes):
+        content.seek(0)
+        batch_files.parse_input(content, settings.BATCH_MAX_LINES)
+        content.seek(0)
+        content = content.read()
+    else:
+        batch_files.parse_input(content, settings.BATCH_MAX_LINES)
     return File.objects.create(tenant=tenant, purpose=purpose, filename=filename[:255] or "upload.jsonl",
                                content=content, bytes=len(content))
 

@@ -33,12 +33,12 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
 
 @register(Tags.security, deploy=True)
 def check_internal_token(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
-    if len(settings.INTERNAL_API_TOKEN) < MIN_INTERNAL_TOKEN_LENGTH:
-        return [
-            Warning(
-                f"INTERNAL_API_TOKEN is shorter than {MIN_INTERNAL_TOKEN_LENGTH} characters.",
-                hint="Generate one with: python -c 'import secrets; print(secrets.token_urlsafe(48))'",
-                id="inference.W001",
-            )
-        ]
-    return []
+    return [
+        Warning(
+            f"{name} is shorter than {MIN_INTERNAL_TOKEN_LENGTH} characters.",
+            hint="Generate one with: python -c 'import secrets; print(secrets.token_urlsafe(48))'",
+            id="inference.W001",
+        )
+        for name in ("INTERNAL_API_TOKEN", "OPERATOR_API_TOKEN", "BATCH_WORKER_TOKEN", "METRICS_TOKEN")
+        if len(getattr(settings, name)) < MIN_INTERNAL_TOKEN_LENGTH
+    ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from inference import catalog
+from inference import catalog, public_errors
 from inference.engine.async_engine import EngineNotRunningError, RequestStream
 from inference.engine.errors import InvalidRequestError, QueueFullError
 from inference.engine.sequence import RequestOutput
@@ -84,13 +84,13 @@ def engine_error(exc: Exception) -> ApiError:
         loading = exc.state == LOADING
         return ApiError(
             503,
-            "The model is still loading; retry shortly." if loading else f"The engine is unavailable ({exc}).",
+            "The model is still loading; retry shortly." if loading else public_errors.ENGINE_UNAVAILABLE,
             type="server_error",
             code="model_loading" if loading else "engine_unavailable",
             headers={"Retry-After": "5" if loading else "30"},
         )
     if isinstance(exc, EngineNotRunningError):
-        return ApiError(503, f"The engine is unavailable ({exc}).", type="server_error", code="engine_unavailable",
+        return ApiError(503, public_errors.ENGINE_UNAVAILABLE, type="server_error", code="engine_unavailable",
                         headers={"Retry-After": "30"})
     raise exc
 

@@ -106,12 +106,17 @@ class EngineHost:
             self._error = f"{type(exc).__name__}: {exc}"
             self._state = FAILED
         else:
-            self._engine = async_engine
-            self._state = READY
+            self.serve(async_engine)
             log.info("engine ready in %.1f s: %d KV blocks of %d tokens", time.monotonic() - self.started_at,
                      engine.block_manager.num_blocks, engine.block_manager.block_size)
         finally:
             self._ready.set()
+
+    def serve(self, engine: AsyncEngine) -> None:
+        """Serve with a started engine (what loading ends with; tests hand one in directly)."""
+        self._engine = engine
+        self._state = READY
+        self._ready.set()
 
     def engine(self) -> AsyncEngine:
         """The running engine, or EngineUnavailable saying why there is none."""

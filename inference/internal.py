@@ -1,8 +1,8 @@
 """The internal endpoints batch workers call: /internal/v1/chat/completions and
 /internal/v1/completions.
 
-A worker authenticates with the service token (`Authorization: Bearer
-<INTERNAL_API_TOKEN>`) and acts for one tenant (`X-Tenant-Id`). The request runs in lane
+A worker authenticates with its service token (`Authorization: Bearer
+<BATCH_WORKER_TOKEN>`) and acts for one tenant (`X-Tenant-Id`). The request runs in lane
 P2 whatever it asks for, is not counted against the tenant's interactive requests/min or
 tokens/min (batch work has its own pace: the engine's back-pressure), is still held to
 the tier's max_tokens and monthly budget, and its usage is recorded against the tenant in
@@ -15,7 +15,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 
 from inference.consumers import OpenAIConsumer
-from tenants.authentication import is_service_token
+from inference.service_tokens import is_batch_worker_token
 from tenants.errors import ApiError
 from tenants.middleware import Scope, refuse, scope_header
 from tenants.models import Lane, Tenant
@@ -30,14 +30,14 @@ def _tenant(tenant_id: str) -> Tenant | None:
 
 
 class ServiceTokenMiddleware:
-    """Admits the service token only; the scope gains the tenant the worker acts for."""
+    """Admits the batch workers' token only; the scope gains the tenant the worker acts for."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if not is_service_token(scope_header(scope, b"authorization")):
-            error = ApiError(401, "Internal endpoints need 'Authorization: Bearer <INTERNAL_API_TOKEN>'.",
+        if not is_batch_worker_token(scope_header(scope, b"authorization")):
+            error = ApiError(401, "Internal endpoints need 'Authorization: Bearer <BATCH_WORKER_TOKEN>'.",
                              code="invalid_service_token", headers={"WWW-Authenticate": "Bearer"})
             return await refuse(scope, receive, send, error)
         tenant = await database_sync_to_async(_tenant)(scope_header(scope, b"x-tenant-id") or "")

@@ -1,37 +1,37 @@
 """Operator endpoints: the engine's live state as JSON, and Prometheus metrics.
 
-    GET /api/v1/engine/stats   staff session, or Authorization: Bearer <INTERNAL_API_TOKEN>
-    GET /metrics               open from loopback, the same token otherwise
+    GET /api/v1/engine/stats   staff session, or Authorization: Bearer <OPERATOR_API_TOKEN>
+    GET /metrics               Bearer <METRICS_TOKEN> (or the operators'); open from loopback
+                               only where METRICS_ALLOW_LOOPBACK (not in production)
 """
 from __future__ import annotations
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from inference.host import EngineUnavailable, host
-from tenants.authentication import is_service_token
+from inference.service_tokens import is_metrics_token, is_operator_token
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
 LANES = (0, 1, 2)  # as the engine's stats name them: "P0", "P1", "P2"
 
 
-def _has_internal_token(request: HttpRequest) -> bool:
-    return is_service_token(request.META.get("HTTP_AUTHORIZATION"))
-
-
 def _is_loopback(request: HttpRequest) -> bool:
-    # Behind a proxy on the same host every request arrives from loopback: a forwarded one is not local.
-    return request.META.get("REMOTE_ADDR") in LOOPBACK and "HTTP_X_FORWARDED_FOR" not in request.META
+    # Behind a proxy on the same host every request arrives from loopback, and not every proxy
+    # adds X-Forwarded-For: so loopback is trusted only where a setting says so.
+    return (settings.METRICS_ALLOW_LOOPBACK and request.META.get("REMOTE_ADDR") in LOOPBACK
+            and "HTTP_X_FORWARDED_FOR" not in request.META)
 
 
-def _refusal(request: HttpRequest) -> JsonResponse:
+def _refusal(request: HttpRequest, token: str) -> JsonResponse:
     if request.META.get("HTTP_AUTHORIZATION"):
         error = ApiError(403, "This token may not read operator endpoints.", type="permission_error", code="forbidden")
     else:
-        error = ApiError(401, "Operator endpoints need a staff session or 'Authorization: Bearer <INTERNAL_API_TOKEN>'.",
+        error = ApiError(401, f"This endpoint needs 'Authorization: Bearer <{token}>'.",
                          code="unauthenticated", headers={"WWW-Authenticate": "Bearer"})
     response = JsonResponse(error.body(), status=error.status)
     for name, value in error.headers.items():
@@ -83,8 +83,9 @@ def engine_stats_payload() -> dict:
 @never_cache
 @require_GET
 def engine_stats(request: HttpRequest) -> JsonResponse:
-    if not ((request.user.is_authenticated and request.user.is_staff) or _has_internal_token(request)):
-        return _refusal(request)
+    if not ((request.user.is_authenticated and request.user.is_staff)
+            or is_operator_token(request.META.get("HTTP_AUTHORIZATION"))):
+        return _refusal(request, "OPERATOR_API_TOKEN")
     return JsonResponse(engine_stats_payload())
 
 
@@ -92,8 +93,8 @@ def engine_stats(request: HttpRequest) -> JsonResponse:
 @never_cache
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
-    if not (_is_loopback(request) or _has_internal_token(request)):
-        return _refusal(request)
+    if not (_is_loopback(request) or is_metrics_token(request.META.get("HTTP_AUTHORIZATION"))):
+        return _refusal(request, "METRICS_TOKEN")
     try:
         body = host.engine().metrics.render()
         ready = 1

@@ -25,6 +25,8 @@ TENANTS: dict[str, str] = {
     "bounds": "bounds-wide",
     "bounds-bystander": "hostile-p1",
     "bounds-batch": "hostile-p2",
+    # tests/security/test_file_upload_bounds.py
+    "uploads-acme": "hostile-p2",
 }
 
 # Settings of the live server (environment variables).

@@ -246,6 +246,9 @@ class AsyncEngine:
         self._step_errors = 0
         self._restarts = 0
         self._snapshot: dict = {}
+        # The engine thread's heartbeat: when its current loop iteration began, or None while
+        # it waits for work. Written by the engine thread only; read by readiness probes.
+        self._busy_since: float | None = None
         # Outputs of this iteration, handed to their loops only after the stats snapshot is
         # published: a consumer that saw its final output then reads stats that include it.
         self._outbox: list[tuple[_RequestState, RequestOutput] | asyncio.Future] = []
@@ -278,6 +281,12 @@ class AsyncEngine:
 
     def is_ready(self) -> bool:
         return self._serving and self._thread is not None and self._thread.is_alive()
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent in its current loop iteration (0 while it waits
+        for work). A step that never returns shows here as a number that keeps growing."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -359,12 +368,14 @@ class AsyncEngine:
         idle_step = False
         while True:
             with self._cond:
+                self._busy_since = None
                 while not (self._commands or self._stopping or self.engine.has_unfinished()):
                     self._cond.wait()
                 if idle_step and not (self._commands or self._stopping):
                     self._cond.wait(IDLE_STEP_WAIT_S)
                 if self._stopping:
                     return
+                self._busy_since = self._clock()
                 commands = list(self._commands)
                 self._commands.clear()
             for command in commands:

@@ -66,7 +66,7 @@ def test_a_line_without_a_model_is_accepted():
 
 
 def test_blank_lines_are_skipped_but_still_counted_in_line_numbers():
-    lines = parse_input(jsonl("", chat("a"), "   ", "\t", chat("b"), ""), max_lines=2)
+    lines = parse_input(jsonl("", chat("a"), "   ", "\t", chat("b"), ""), max_lines=6)
     assert [(p.line, p.custom_id) for p in lines] == [(2, "a"), (5, "b")]
 
 
@@ -160,11 +160,13 @@ def test_twenty_bad_lines_are_all_named_with_no_more():
 def test_max_lines_requests_are_accepted_one_more_is_refused():
     assert len(parse_input(jsonl(*(chat(f"r{i}") for i in range(3))), max_lines=3)) == 3
     error = refused(jsonl(*(chat(f"r{i}") for i in range(4))), max_lines=3)
-    assert error.code == "too_many_lines" and error.message == "The file has more than 3 requests."
+    assert error.code == "too_many_lines" and error.message == "The file has more than 3 lines (blank lines count)."
 
 
-def test_blank_lines_do_not_count_towards_max_lines():
-    assert len(parse_input(jsonl(chat("a"), "", "", "", chat("b")), max_lines=2)) == 2
+def test_blank_lines_count_towards_max_lines():
+    # Reading a million empty lines costs as much as reading a million requests (issue 24).
+    assert len(parse_input(jsonl(chat("a"), "", "", "", chat("b")), max_lines=5)) == 2
+    assert refused(jsonl(chat("a"), "", "", "", chat("b")), max_lines=4).code == "too_many_lines"
 
 
 def test_an_empty_file_is_refused():

@@ -1,0 +1,116 @@
+"""Uploads refused before their body is read: the API key is checked on the headers.
+
+Daphne reads a whole request body before the application sees any of it, so a view can
+refuse an unauthenticated 100 MB upload only after the server has received and stored all
+of it. For the paths gated here (POST /v1/files) the key is checked as soon as the headers
+are in: the connection stops reading while the key is looked up (on a worker thread, never
+the event loop's), then either reads on or answers 401 and closes, having read no more
+than was already in flight. The view authenticates again as usual; this is only a gate.
+
+`install()` wraps daphne's `WebRequest` after `config.daphne_hooks.install_body_limit`,
+whose `_body_refused` flag it shares, so a refused body is dropped as that hook drops one.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from http import HTTPStatus
+
+from channels.db import database_sync_to_async
+
+from tenants.authentication import authenticate_bearer
+from tenants.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+GATED_PATHS = frozenset({"/v1/files"})
+# A key lookup is one indexed read (and at most one UPDATE of last_used); one that takes
+# this long means the database is in trouble: answer 503 rather than hold the socket.
+CHECK_TIMEOUT_S = 10.0
+PENDING, PASSED, REFUSED = "pending", "passed", "refused"
+
+
+def _gated(channel) -> bool:
+    path = getattr(channel, "_path", b"").split(b"?", 1)[0].rstrip(b"/").decode("latin-1")
+    return getattr(channel, "_command", b"") == b"POST" and path in GATED_PATHS
+
+
+def _response(error: ApiError) -> bytes:
+    body = json.dumps(error.body()).encode()
+    headers = {**error.headers, "Content-Type": "application/json", "Content-Length": str(len(body)),
+               "Connection": "close"}
+    head = f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (head + "\r\n").encode("latin-1") + body
+
+
+def _refusal(header: str | None) -> ApiError | None:
+    try:
+        authenticate_bearer(header)
+    except ApiError as error:
+        return error
+    return None
+
+
+async def _check(request, header: str | None) -> None:
+    try:
+        check = database_sync_to_async(_refusal, thread_sensitive=False)
+        error = await asyncio.wait_for(check(header), CHECK_TIMEOUT_S)
+    except Exception:  # a database error or the timeout: the platform's fault, so retry later
+        log.exception("upload gate: the key check failed")
+        error = ApiError(503, "The server could not check the API key; retry shortly.", type="server_error",
+                         code="service_unavailable", headers={"Retry-After": "5"})
+    channel = request.channel
+    if channel is None or channel.transport is None:  # the client left meanwhile
+        request._key_check = REFUSED
+        return
+    if error is not None:
+        request._key_check = REFUSED
+        request._body_refused = True
+        channel.transport.write(_response(error))
+        channel.transport.loseConnection()
+        return
+    request._key_check = PASSED
+    if request._expect_continue:
+        channel.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    channel.transport.resumeProducing()
+    if request._body_complete:
+        request.process()
+
+
+def install() -> None:
+    """Hook daphne's request class (once per process)."""
+    from daphne.http_protocol import WebRequest
+
+    if getattr(WebRequest, "_key_gate_installed", False):
+        return
+    got_length, process = WebRequest.gotLength, WebRequest.process
+
+    def gotLength(self, length):
+        got_length(self, length)
+        channel = self.channel
+        if getattr(self, "_body_refused", False) or not _gated(channel):
+            return
+        header = self.requestHeaders.getRawHeaders(b"authorization")
+        expect = self.requestHeaders.getRawHeaders(b"expect")
+        # Twisted answers `Expect: 100-continue` right after this returns: the gate answers it
+        # instead, once the key passed, so a well-behaved client sends nothing before that.
+        self._expect_continue = bool(expect) and expect[0].lower() == b"100-continue"
+        self.requestHeaders.removeHeader(b"expect")
+        self._key_check, self._body_complete = PENDING, False
+        channel.transport.pauseProducing()
+        asyncio.get_event_loop().create_task(_check(self, header[0].decode("latin-1") if header else None))
+
+    def gated_process(self):
+        state = getattr(self, "_key_check", PASSED)
+        if state == PENDING:
+            self._body_complete = True  # all of it was already in flight: process once the key passes
+            return None
+        if state == REFUSED:
+            return None
+        return process(self)
+
+    WebRequest.gotLength = gotLength
+    WebRequest.process = gated_process
+    WebRequest._key_gate_installed = True
