@@ -123,7 +123,7 @@ def ran(stack):
     the model's context holds, which only the engine can tell (it passes upload checks)."""
     stack.ensure_worker()
     client = stack.client("acme")
-    file = upload(client, chat_line("ok-1"), chat_line("too-long", max_tokens=100_000), chat_line("ok-2"))
+    file = upload(client, chat_line("ok-1"), chat_line("too-long", max_tokens=2 * CONTEXT), chat_line("ok-2"))
     batch = create(client, file.id)
     assert batch.status == "in_progress" and batch.request_counts.total == 3
     return wait_for(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 180,
