@@ -8,9 +8,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 # Django must be set up before anything imports models.
 django_asgi_app = get_asgi_application()
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
@@ -36,9 +34,9 @@ application = EngineLifespan(ProtocolTypeRouter(
         # inference.routing; everything else is plain Django (DRF authenticates itself).
         "http": URLRouter([*http_routes, re_path(r"", django_asgi_app)]),
         # The operators' console socket authenticates by session cookie, which a browser does
-        # attach to another site's socket: it alone checks the Origin against ALLOWED_HOSTS.
+        # attach to another site's socket: it alone checks the Origin (scheme, host and port).
         "websocket": URLRouter([
-            re_path(r"^ws/console/", AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(console_routes)))),
+            *console_routes,
             re_path(r"", ApiKeyAuthMiddleware(URLRouter(websocket_routes))),
         ]),
     }

@@ -1,9 +1,14 @@
-"""The console's WebSocket, relative to /ws/console/ (config.asgi mounts it behind
-session authentication and an origin check)."""
-from django.urls import path
+"""The console's WebSocket under /ws/console/: session authentication behind an origin
+check (scheme, host and port; see console.origin). config.asgi mounts `console_routes`."""
+from channels.auth import AuthMiddlewareStack
+from channels.routing import URLRouter
+from django.urls import path, re_path
 
 from console.consumers import EngineConsumer
+from console.origin import SameOriginValidator
 
 console_routes = [
-    path("engine", EngineConsumer.as_asgi()),
+    re_path(r"^ws/console/", SameOriginValidator(AuthMiddlewareStack(URLRouter([
+        path("engine", EngineConsumer.as_asgi()),
+    ])))),
 ]

@@ -3,13 +3,17 @@
 Views parse, call `tenants.actions` or `inference.batches`, and render; reads live in
 `console.queries`. Every page needs a staff session (`staff_member_required` sends anyone
 else to the admin's login), and every write is a POST under Django's CSRF check.
+Staff alone is not enough, as in the admin: a page needs the model permission it shows
+(`view_*`) and a write the one it exercises (`add_*`, `change_*`); without it, a 403.
 """
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import wraps
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
+from django.core.exceptions import PermissionDenied
 from django.db import IntegrityError, transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -27,6 +31,21 @@ from tenants.models import ApiKey, QuotaTier, Tenant
 PLAYGROUND_KEY_TTL = timedelta(hours=1)
 
 
+def requires(get: str | None = None, post: str | None = None):
+    """The Django model permission a GET and a POST of the view need (the admin's rule).
+    Placed under `staff_member_required`, so a visitor without a staff session is still
+    sent to the login rather than told what exists."""
+    def decorate(view):
+        @wraps(view)
+        def checked(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            needed = post if request.method == "POST" else get
+            if needed is not None and not request.user.has_perm(needed):
+                raise PermissionDenied(f"Your account lacks the permission {needed!r}.")
+            return view(request, *args, **kwargs)
+        return checked
+    return decorate
+
+
 @staff_member_required
 @require_GET
 def engine(request: HttpRequest) -> HttpResponse:
@@ -34,6 +53,7 @@ def engine(request: HttpRequest) -> HttpResponse:
 
 
 @staff_member_required
+@requires(get="tenants.view_tenant", post="tenants.add_tenant")
 @require_http_methods(["GET", "POST"])
 def tenants(request: HttpRequest) -> HttpResponse:
     if request.method == "POST":
@@ -80,12 +100,14 @@ def _tenant_page(request: HttpRequest, tenant: Tenant, issued: actions.IssuedKey
 
 
 @staff_member_required
+@requires(get="tenants.view_tenant")
 @require_GET
 def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return _tenant_page(request, get_object_or_404(Tenant.objects.select_related("tier"), pk=pk))
 
 
 @staff_member_required
+@requires(post="tenants.add_apikey")
 @require_POST
 def issue_key(request: HttpRequest, pk: int) -> HttpResponse:
     tenant = get_object_or_404(Tenant.objects.select_related("tier"), pk=pk)
@@ -94,6 +116,7 @@ def issue_key(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 @staff_member_required
+@requires(post="tenants.change_apikey")
 @require_POST
 def revoke_key(request: HttpRequest, pk: int, key_pk: int) -> HttpResponse:
     api_key = get_object_or_404(ApiKey, pk=key_pk, tenant_id=pk)
@@ -103,6 +126,7 @@ def revoke_key(request: HttpRequest, pk: int, key_pk: int) -> HttpResponse:
 
 
 @staff_member_required
+@requires(post="tenants.change_tenant")
 @require_POST
 def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
     tenant = get_object_or_404(Tenant, pk=pk)
@@ -113,6 +137,7 @@ def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 @staff_member_required
+@requires(get="inference.view_batch")
 @require_GET
 def batches(request: HttpRequest) -> HttpResponse:
     rows = queries.batch_rows()
@@ -121,6 +146,7 @@ def batches(request: HttpRequest) -> HttpResponse:
 
 
 @staff_member_required
+@requires(post="inference.change_batch")
 @require_POST
 def cancel_batch(request: HttpRequest, batch_id: str) -> HttpResponse:
     batch = batch_actions.cancel(get_object_or_404(Batch, pk=batch_id))
@@ -129,6 +155,7 @@ def cancel_batch(request: HttpRequest, batch_id: str) -> HttpResponse:
 
 
 @staff_member_required
+@requires(get="tenants.view_tenant", post="tenants.add_apikey")
 @never_cache
 @require_http_methods(["GET", "POST"])
 def playground(request: HttpRequest) -> HttpResponse:

@@ -44,9 +44,12 @@ TENANTS = {"load": "console-p1", "batcher": "console-batch"}
 STAFF, MEMBER, PASSWORD = "operator", "member", "console-test-password-1"
 
 USERS_SCRIPT = f"""
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.test import Client
-User.objects.create_user({STAFF!r}, password={PASSWORD!r}, is_staff=True)
+operator = User.objects.create_user({STAFF!r}, password={PASSWORD!r}, is_staff=True)
+# What the console's pages and writes need (console.views), as an admin would grant them.
+operator.user_permissions.add(*Permission.objects.filter(
+    content_type__app_label__in=["tenants", "inference"], codename__regex="^(view|add|change)_(tenant|apikey|batch)$"))
 member = User.objects.create_user({MEMBER!r}, password={PASSWORD!r})
 client = Client()
 client.force_login(member)  # a session of a signed-in user who is not staff
