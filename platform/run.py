@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """`make run`: migrate, create the admin user once, then hand over to honcho, which runs
 redis (unless REDIS_URL points at one), web (daphne) and worker (Celery) from
-platform/Procfile.
+platform/Procfile. A worker that dies (a crash, the OOM killer) is started again after 2 s by
+its Procfile loop; any other process exiting stops the platform.
 
 The launcher execs honcho, so SIGINT/SIGTERM reach honcho directly; it sends SIGTERM to
 each process group and SIGKILL to any still alive 5 seconds later. Nothing here waits for
@@ -31,6 +32,8 @@ def prepare_environment(run_dir: Path) -> list[str]:
     env.setdefault("PORT", "8000")
     # honcho gives each process its own PORT, so the web port travels under another name.
     env["WEB_PORT"] = env["PORT"]
+    # The listen queue: daphne's default of 50 dropped SYNs under a burst of 400 connections.
+    env.setdefault("WEB_BACKLOG", "2048")
     env["RUN_DIR"] = str(run_dir)
     env["PYTHONUNBUFFERED"] = "1"
     # The worker calls the web process's internal endpoint with this token; both inherit it.

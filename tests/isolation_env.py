@@ -27,6 +27,8 @@ TENANTS: dict[str, str] = {
     "bounds-batch": "hostile-p2",
     # tests/security/test_file_upload_bounds.py
     "uploads-acme": "hostile-p2",
+    # tests/reliability/test_connection_burst.py: 400 concurrent streams, under its 1000 slots
+    "burst": "hostile-p1",
 }
 
 # Settings of the live server (environment variables).

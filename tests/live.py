@@ -26,6 +26,7 @@ from tests.conftest import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 300  # a first run builds the C++ kernels (~40 s) and converts the tokenizer
+WEB_BACKLOG = 2048  # the listen queue `make run` gives daphne (platform/run.py)
 
 # Small pools: enough for 200 concurrent short streams, light on a 2-core CI box.
 DEFAULT_ENV = {
@@ -165,7 +166,8 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
         created = server.django(f"TIERS = {tiers!r}\nTENANTS = {tenants!r}\n" + TENANTS_SCRIPT)
         server.keys, server.tenant_ids = created["keys"], created["ids"]
         daphne = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+            [sys.executable, "-m", "daphne", "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={WEB_BACKLOG}",
+             "config.asgi:application"],
             cwd=ROOT, env=child_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + READY_TIMEOUT_S

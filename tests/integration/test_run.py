@@ -1,6 +1,7 @@
 """`make run`'s launcher on a fresh database: it serves /readyz and the admin login, creates
-the admin once without asking anything, runs a batch job through its Celery worker, and
-SIGINT stops every process it started."""
+the admin once without asking anything, runs a batch job through its Celery worker, starts
+the worker again when it dies, listens with a deep queue, and SIGINT stops every process it
+started."""
 import io
 import json
 import os
@@ -69,7 +70,22 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
         names = {Path(f"/proc/{p}/cmdline").read_bytes() for p in started if alive(p)}
         assert any(b"redis-server" in n for n in names) and any(b"daphne" in n for n in names)
         assert any(b"celery" in n for n in names)
-        _a_batch_runs_through_the_worker(port, env)
+        assert listen_backlog(port) >= 2048  # daphne's default (50) dropped SYNs under a burst
+        _a_batch_runs_through_the_worker(port, env, "first")
+
+        # Issue 24 item 12: a worker killed for good (a crash, the OOM killer) is started again,
+        # and the rest of the platform keeps serving.
+        workers = celery_workers(launcher.pid)
+        assert len(workers) == 1
+        os.kill(workers.pop(), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (replacement := celery_workers(launcher.pid) - started):
+            assert launcher.poll() is None, "the launcher stopped:\n" + (tmp_path / "run.log").read_text()
+            assert time.monotonic() < deadline, "no new worker:\n" + (tmp_path / "run.log").read_text()
+            time.sleep(0.5)
+        started |= replacement
+        assert http_status(f"http://127.0.0.1:{port}/readyz") == 200
+        _a_batch_runs_through_the_worker(port, env, "second")
     finally:
         started |= descendants(launcher.pid)
         launcher.send_signal(signal.SIGINT)
@@ -82,11 +98,37 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
     assert not survivors, f"still running after SIGINT: {survivors}"
 
 
-def _a_batch_runs_through_the_worker(port: int, env: dict[str, str]) -> None:
+def celery_workers(launcher: int) -> set[int]:
+    """The worker's main process: a celery process whose parent is not itself celery."""
+    found = set()
+    for pid in descendants(launcher):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent_cmdline = Path(f"/proc/{parent}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if is_celery(cmdline) and not is_celery(parent_cmdline) and alive(pid):
+            found.add(pid)
+    return found
+
+
+def is_celery(cmdline: bytes) -> bool:
+    """celery itself, not the shell loop whose script names it."""
+    return any(arg == b"celery" or arg.endswith(b"/celery") for arg in cmdline.split(b"\0"))
+
+
+def listen_backlog(port: int) -> int:
+    """The listening socket's queue length: `ss` shows it as Send-Q."""
+    listing = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(listing.split()[2])
+
+
+def _a_batch_runs_through_the_worker(port: int, env: dict[str, str], team: str) -> None:
     """The worker and the web process found each other (broker, internal endpoint, token)."""
     from openai import OpenAI
 
-    created = subprocess.run([sys.executable, "manage.py", "create_tenant", "batch-team", "--tier", "batch"], cwd=ROOT,
+    created = subprocess.run([sys.executable, "manage.py", "create_tenant", f"batch-{team}", "--tier", "batch"], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=120, check=True)
     key = created.stdout.strip().splitlines()[-1].split()[-1]
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
