@@ -61,42 +61,51 @@ end
 return out
 """
 
-# Concurrent leases: a sorted set of lease id -> expiry. Expired leases are dropped before
-# counting, so a lease whose holder died without releasing frees itself after its TTL.
-# KEYS: the set. ARGV: limit, ttl_ms, lease id.
-# Returns: admitted, leases held, retry_after_ms (-1 when the limit is 0).
+# Concurrent leases: a sorted set of lease member -> expiry. A lease of `count` slots (a
+# generation with n choices) is `count` members, taken all or none. Expired members are
+# dropped before counting, so a lease whose holder died without releasing frees itself
+# after its TTL. KEYS: the set. ARGV: limit, ttl_ms, lease id, count.
+# Returns: admitted, members held, retry_after_ms (-1 when count can never fit the limit).
 _LEASE_ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local limit, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local limit, ttl, count = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
-if held >= limit then
-  if held == 0 then return {0, 0, -1} end
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return {0, held, math.ceil(tonumber(first[2]) - now)}
+if held + count > limit then
+  if count > limit then return {0, held, -1} end
+  -- The (held + count - limit)-th expiry frees enough slots.
+  local nth = redis.call('ZRANGE', KEYS[1], held + count - limit - 1, held + count - limit - 1, 'WITHSCORES')
+  return {0, held, math.ceil(tonumber(nth[2]) - now)}
 end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+for i = 0, count - 1 do
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[3] .. ':' .. i)
+end
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(last[2]) - now) + 1)
-return {1, held + 1, 0}
+return {1, held + count, 0}
 """
 
-# Renewal succeeds only for a lease that has not expired: an expired lease's slot may
-# already belong to someone else. KEYS: the set. ARGV: ttl_ms, lease id. Returns 1 or 0.
+# Renewal puts the lease's members back whether or not they had expired: the generation
+# they count is still running, so it must be counted. (A Redis outage longer than the TTL
+# would otherwise leave it uncounted and let the tenant start more than its limit; if
+# someone took the freed slots meanwhile, the tenant is over its limit until one of its
+# generations ends, and new ones are refused until then.)
+# KEYS: the set. ARGV: ttl_ms, lease id, count. Returns 1 if every member was live, else 0.
 _LEASE_RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local ttl = tonumber(ARGV[1])
-local expiry = redis.call('ZSCORE', KEYS[1], ARGV[2])
-if not expiry or tonumber(expiry) <= now then
-  redis.call('ZREM', KEYS[1], ARGV[2])
-  return 0
+local ttl, count = tonumber(ARGV[1]), tonumber(ARGV[3])
+local live = 1
+for i = 0, count - 1 do
+  local member = ARGV[2] .. ':' .. i
+  local expiry = redis.call('ZSCORE', KEYS[1], member)
+  if not expiry or tonumber(expiry) <= now then live = 0 end
+  redis.call('ZADD', KEYS[1], now + ttl, member)
 end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(last[2]) - now) + 1)
-return 1
+return live
 """
 
 # Give units back to a bucket (a reservation that was not used up). KEYS: the bucket.
@@ -119,12 +128,60 @@ end
 return 1
 """
 
-# A monthly counter only grows while it exists; a missing one must be seeded from the
-# database first (Redis may have lost it). KEYS: the counter. ARGV: amount.
-# Returns the new total, or nil when the counter is missing.
+# A monthly counter holds the tokens used (settled); a missing one must be seeded from the
+# database first (Redis may have lost it). KEYS: the counter. ARGV: amount (may be negative:
+# a replaced batch attempt's usage given back). Returns the new total, or nil when missing.
 _COUNTER_ADD = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-return redis.call('INCRBY', KEYS[1], ARGV[1])
+local total = redis.call('INCRBY', KEYS[1], ARGV[1])
+if total < 0 then redis.call('SET', KEYS[1], 0, 'KEEPTTL') return 0 end
+return total
+"""
+
+# Budget reservations: while a generation runs, the most it can still use is held against
+# the budget, so parallel requests cannot each pass the check and together overspend it.
+# A sorted set (id -> expiry, renewed while the generation runs, so a dead holder's hold
+# lapses) and a hash (id -> tokens) beside the settled counter.
+# KEYS: counter, reservation expiries, reservation amounts.
+# ARGV: budget, tokens, id, ttl_ms, keys_ttl_ms.
+# Returns {status, used, reserved}: status 1 admitted, 0 the budget is used up, 2 the rest
+# is reserved by generations in flight, -1 the counter is missing (seed it, then retry).
+_BUDGET_RESERVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local budget, tokens, ttl, keys_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HDEL', KEYS[3], gone)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local used = tonumber(redis.call('GET', KEYS[1]))
+local reserved = 0
+for _, amount in ipairs(redis.call('HVALS', KEYS[3])) do reserved = reserved + tonumber(amount) end
+if used >= budget then return {0, used, reserved} end
+if used + reserved >= budget then return {2, used, reserved} end
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[3], tokens)
+redis.call('PEXPIRE', KEYS[2], keys_ttl)
+redis.call('PEXPIRE', KEYS[3], keys_ttl)
+return {1, used, reserved + tokens}
+"""
+
+# KEYS: reservation expiries. ARGV: id, ttl_ms. Extends a live reservation only.
+_BUDGET_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+return redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+"""
+
+# The generation ended: drop its reservation and add what it used to the counter.
+# KEYS: counter, reservation expiries, reservation amounts. ARGV: id, tokens used.
+# Returns the new total, or nil when the counter is missing (seed it from the database).
+_BUDGET_SETTLE = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+return redis.call('INCRBY', KEYS[1], ARGV[2])
 """
 
 
@@ -172,6 +229,32 @@ class Lease:
     key: str
     lease_id: str
     ttl_s: float
+    count: int = 1  # slots held: one per choice of the generation
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Tokens held against a monthly budget while one generation runs."""
+
+    scope: str
+    month: str  # the counter's name: the month the generation started in
+    reservation_id: str
+    tokens: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """A reservation attempt: `status` "reserved", "exhausted" (the budget is used up) or
+    "held" (what is left is reserved by generations in flight), or "missing" (seed first)."""
+
+    status: str
+    used: int
+    reserved: int
+    reservation: Reservation | None = None
+
+
+_BUDGET_STATUS = {1: "reserved", 0: "exhausted", 2: "held", -1: "missing"}
 
 
 def _ms(seconds: float) -> int:
@@ -193,6 +276,9 @@ class Limiter:
         self._lease_acquire = client.register_script(_LEASE_ACQUIRE)
         self._lease_renew = client.register_script(_LEASE_RENEW)
         self._counter_add = client.register_script(_COUNTER_ADD)
+        self._budget_reserve = client.register_script(_BUDGET_RESERVE)
+        self._budget_renew = client.register_script(_BUDGET_RENEW)
+        self._budget_settle = client.register_script(_BUDGET_SETTLE)
         self._refund = client.register_script(_TOKEN_REFUND)
 
     def key(self, scope: str, name: str) -> str:
@@ -228,10 +314,14 @@ class Limiter:
         if units > 0:
             self._refund(keys=[self.key(scope, name)], args=[_ms(period_s), limit, units])
 
-    def acquire_lease(self, scope: str, name: str, limit: int, ttl_s: float) -> tuple[Lease | None, Decision]:
-        """Take one of `limit` slots for `ttl_s`; the Lease is None when all are held."""
-        lease = Lease(key=self.key(scope, name), lease_id=uuid.uuid4().hex, ttl_s=ttl_s)
-        admitted, held, retry_ms = self._lease_acquire(keys=[lease.key], args=[limit, _ms(ttl_s), lease.lease_id])
+    def acquire_lease(self, scope: str, name: str, limit: int, ttl_s: float,
+                      count: int = 1) -> tuple[Lease | None, Decision]:
+        """Take `count` of `limit` slots for `ttl_s`, all or none; the Lease is None when they
+        do not fit (retry_after_s is math.inf when `count` exceeds the limit itself)."""
+        if count < 1:
+            raise ValueError(f"a lease takes at least one slot, not {count}")
+        lease = Lease(key=self.key(scope, name), lease_id=uuid.uuid4().hex, ttl_s=ttl_s, count=count)
+        admitted, held, retry_ms = self._lease_acquire(keys=[lease.key], args=[limit, _ms(ttl_s), lease.lease_id, count])
         state = BucketState(
             name=name,
             limit=limit,
@@ -242,11 +332,12 @@ class Limiter:
         return (lease if admitted else None), Decision(allowed=bool(admitted), buckets=(state,))
 
     def renew_lease(self, lease: Lease) -> bool:
-        """Extend a lease by its TTL; False when it had already expired (and is gone)."""
-        return bool(self._lease_renew(keys=[lease.key], args=[_ms(lease.ttl_s), lease.lease_id]))
+        """Extend a lease by its TTL, putting back any of its slots that had expired; False
+        when some had (a Redis outage outlasted the TTL)."""
+        return bool(self._lease_renew(keys=[lease.key], args=[_ms(lease.ttl_s), lease.lease_id, lease.count]))
 
     def release_lease(self, lease: Lease) -> None:
-        self.client.zrem(lease.key, lease.lease_id)
+        self.client.zrem(lease.key, *(f"{lease.lease_id}:{i}" for i in range(lease.count)))
 
     def leases_held(self, scope: str, name: str) -> int:
         """Live leases (expired ones are not counted)."""
@@ -264,6 +355,30 @@ class Limiter:
         return int(self.client.get(key) or value)
 
     def counter_add(self, scope: str, name: str, amount: int) -> int | None:
-        """Add to an existing counter; None when it is missing and needs seeding."""
+        """Add to an existing counter (never below 0); None when it is missing and needs seeding."""
         total = self._counter_add(keys=[self.key(scope, name)], args=[amount])
+        return None if total is None else int(total)
+
+    def _budget_keys(self, scope: str, month: str) -> list[str]:
+        return [self.key(scope, month), self.key(scope, f"{month}:reserved_until"), self.key(scope, f"{month}:reserved")]
+
+    def reserve_budget(self, scope: str, month: str, budget: int, tokens: int, ttl_s: float,
+                       keys_ttl_s: float) -> BudgetState:
+        """Hold `tokens` against `budget` while a generation runs: refused once the settled
+        total reaches the budget, or while reservations in flight cover what is left."""
+        reservation = Reservation(scope, month, uuid.uuid4().hex, tokens, ttl_s)
+        status, used, reserved = self._budget_reserve(
+            keys=self._budget_keys(scope, month),
+            args=[budget, tokens, reservation.reservation_id, _ms(ttl_s), _ms(keys_ttl_s)])
+        status = _BUDGET_STATUS[int(status)]
+        return BudgetState(status, int(used), int(reserved), reservation if status == "reserved" else None)
+
+    def renew_reservation(self, reservation: Reservation) -> bool:
+        keys = self._budget_keys(reservation.scope, reservation.month)
+        return bool(self._budget_renew(keys=[keys[1]], args=[reservation.reservation_id, _ms(reservation.ttl_s)]))
+
+    def settle_budget(self, reservation: Reservation, used: int) -> int | None:
+        """Drop the reservation and count `used`; None when the counter is missing (seed it)."""
+        total = self._budget_settle(keys=self._budget_keys(reservation.scope, reservation.month),
+                                    args=[reservation.reservation_id, used])
         return None if total is None else int(total)

@@ -109,6 +109,18 @@ def test_scopes_do_not_share_buckets(limiter):
     assert limiter.admit("tenant:2", 60, {"requests": (1, 1)}).allowed
 
 
+def test_a_lease_of_several_slots_is_taken_all_or_none(limiter):
+    three, _ = limiter.acquire_lease("t", "streams", 4, 30, count=3)
+    assert three is not None and limiter.leases_held("t", "streams") == 3
+    two, refused = limiter.acquire_lease("t", "streams", 4, 30, count=2)
+    assert two is None and limiter.leases_held("t", "streams") == 3
+    assert 29 < refused.retry_after_s <= 30  # when the first of the three expires, two fit
+    never, refused = limiter.acquire_lease("t", "streams", 4, 30, count=5)
+    assert never is None and refused.retry_after_s == math.inf
+    limiter.release_lease(three)
+    assert limiter.leases_held("t", "streams") == 0
+
+
 def test_leases_admit_up_to_the_limit_and_free_on_release(limiter):
     first, _ = limiter.acquire_lease("t", "streams", 2, 30)
     second, _ = limiter.acquire_lease("t", "streams", 2, 30)
@@ -124,16 +136,26 @@ def redis_now(limiter: Limiter) -> float:
     return seconds + micros / 1e6
 
 
-def test_renewal_extends_a_live_lease_and_an_expired_one_cannot_be_renewed(limiter):
+def test_renewal_extends_a_live_lease(limiter):
     lease, _ = limiter.acquire_lease("t", "streams", 1, 1.0)
-    first_expiry = limiter.client.zscore(lease.key, lease.lease_id)
+    first_expiry = limiter.client.zscore(lease.key, f"{lease.lease_id}:0")
     time.sleep(0.2)
     assert limiter.renew_lease(lease)
-    renewed_expiry = limiter.client.zscore(lease.key, lease.lease_id)
+    renewed_expiry = limiter.client.zscore(lease.key, f"{lease.lease_id}:0")
     assert renewed_expiry - first_expiry >= 150  # ms: the TTL now counts from the renewal
-    time.sleep(max(0.0, renewed_expiry / 1000 - redis_now(limiter)) + 0.05)
+
+
+def test_a_lease_that_lapsed_while_redis_was_away_counts_again_when_renewed(limiter):
+    """Issue 24, suspected: "stream slots lost after a Redis blip longer than the lease TTL".
+    The generation still runs, so once Redis answers again its slots must count: otherwise
+    the tenant runs more than its limit."""
+    lease, _ = limiter.acquire_lease("t", "streams", 2, 0.2, count=2)
+    time.sleep(0.3)  # renewals failed meanwhile: the lease expired
     assert limiter.leases_held("t", "streams") == 0
-    assert not limiter.renew_lease(lease)
+    assert not limiter.renew_lease(lease), "the renewal must say the lease had lapsed"
+    assert limiter.leases_held("t", "streams") == 2
+    refused, _ = limiter.acquire_lease("t", "streams", 2, 30)
+    assert refused is None, "a slot of a running generation was handed out again"
 
 
 _HOLD_LEASE = """
