@@ -272,6 +272,33 @@ METRICS_TOKEN = env.str("METRICS_TOKEN", default=INTERNAL_API_TOKEN)
 # proxy on the same host makes every request look local (and may add no X-Forwarded-For).
 METRICS_ALLOW_LOOPBACK = env.bool("METRICS_ALLOW_LOOPBACK", default=not PRODUCTION)
 
+# --- admission, billing and sockets (issue 24) ---
+# Key lookups and limit checks run on a pool of their own, never on the one thread asgiref
+# shares between every connection (tenants.admission). Eight threads cover a burst of 400
+# connections on 2 cores (each admission is ~2-5 ms of database and Redis round trips).
+ADMISSION_WORKERS = env.int("ADMISSION_WORKERS", default=8)
+# Admissions of one caller (an API key, then its tenant) on that pool at once: half of it,
+# so one caller whose calls hang on a locked row leaves the other half to everyone else.
+ADMISSION_PER_CALLER = env.int("ADMISSION_PER_CALLER", default=4)
+# A request whose admission waits longer than this on the database or Redis is answered 503
+# with Retry-After (the SQLite busy timeout is 20 s: well past what a client should wait).
+ADMISSION_TIMEOUT_S = env.float("ADMISSION_TIMEOUT_S", default=10.0)
+# Where each web process journals usage entries until the database has them (tenants.ledger);
+# a process replays the journals of dead processes on the same database when it starts.
+USAGE_OUTBOX_DIR = env.str("USAGE_OUTBOX_DIR", default=str(BASE_DIR / ".run" / "usage-outbox"))
+# How long the end of a response waits for its usage row (normally a few milliseconds): past
+# it the response ends anyway and the row is written when the database takes it.
+USAGE_WRITE_WAIT_S = env.float("USAGE_WRITE_WAIT_S", default=1.0)
+# An open WebSocket re-reads its key at most this long after the last check: a revoked key or a
+# deactivated tenant is closed with 4401 within it, and a tier change applies to the next start.
+WS_AUTH_RECHECK_S = env.float("WS_AUTH_RECHECK_S", default=5.0)
+# WebSockets open at once per API key (each may run many generations; each generation still
+# takes a concurrent-generation slot of its tenant).
+WS_MAX_SOCKETS_PER_KEY = env.int("WS_MAX_SOCKETS_PER_KEY", default=16)
+# Messages a client may send per second on one WebSocket, with bursts up to twice as many:
+# each costs a parse and, for `start`, an admission; an interactive client sends a few.
+WS_MAX_FRAMES_PER_S = env.float("WS_MAX_FRAMES_PER_S", default=20.0)
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM inference platform API",
     "DESCRIPTION": (

@@ -226,7 +226,8 @@ def claim(item_id: int, token: str) -> BatchItem | None:
     taken = BatchItem.objects.filter(
         Q(not_before__isnull=True) | Q(not_before__lte=now),
         pk=item_id, state=State.QUEUED, batch__status=Status.IN_PROGRESS, batch__stop_reason="",
-    ).update(state=State.RUNNING, claim=token, heartbeat_at=now, attempts=F("attempts") + 1, dispatched_at=None)
+    ).update(state=State.RUNNING, claim=token, heartbeat_at=now, attempts=F("attempts") + 1, runs=F("runs") + 1,
+             dispatched_at=None)
     if not taken:
         return None
     return BatchItem.objects.select_related("batch__tenant").get(pk=item_id)

@@ -24,12 +24,13 @@ from typing import Any
 import redis
 from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
+from django import db
 from django.conf import settings
 
 from inference import formatting, protocol
 from inference.generation import Caller, Generation, engine_failure
 from inference.host import host
-from tenants.errors import ApiError, limits_unavailable
+from tenants.errors import ApiError, database_unavailable, limits_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class EngineHttpConsumer(AsyncHttpConsumer):
             raise
         except redis.RedisError as exc:  # limits or leases cannot be checked: 503, retry shortly
             await self._fail(limits_unavailable(exc))
+        except db.Error as exc:  # the database is locked or away: 503 too, never a bare 500
+            await self._fail(database_unavailable(exc))
         except Exception:
             log.exception("%s: unexpected error", self.scope["path"])
             await self._fail(server_error())
@@ -205,12 +208,17 @@ class OpenAIConsumer(EngineHttpConsumer):
     def request_id(self) -> str | None:
         return None  # a fresh id per request
 
+    def billing(self) -> dict:
+        return {}  # one usage row per request, keyed by its id
+
     async def respond(self, body: bytes) -> None:
         data = protocol.parse_body(body)
         request = protocol.parse_chat(data) if self.kind == "chat" else protocol.parse_completion(data)
-        gen = Generation(request, self.caller(), hold_lease=request.stream and self.metered,
+        # Every metered generation holds its slots, streamed or not: 12 plain requests under a
+        # limit of 8 all ran when only streams counted.
+        gen = Generation(request, self.caller(), hold_lease=self.metered,
                          id_prefix="chatcmpl" if self.kind == "chat" else "cmpl", lane_override=self.lane,
-                         metered=self.metered, request_id=self.request_id())
+                         metered=self.metered, request_id=self.request_id(), **self.billing())
         try:
             await gen.start()
             headers = {"X-Request-Id": gen.id, "X-Lane": f"P{gen.lane}", **gen.rate_limit_headers()}

@@ -9,10 +9,12 @@ The SSE consumers, the plain-JSON path and the WebSocket consumer all drive a
     await gen.close()              # always, in `finally`: abort what runs, bill, refund, release
 
 `start` raises `ApiError` (the OpenAI error shape) for every refusal, having released
-whatever it took. `close` is safe to call more than once and after a cancellation: it
-aborts the engine requests still open, releases the stream lease, waits briefly for their
-final counters, records usage with the tokens actually generated (aborted requests
-included) and gives back the unused part of the tokens/min reservation.
+whatever it took. Admitting reserves the most the request can use against tokens/min and
+the monthly budget, takes one concurrent-generation slot per choice, and journals the usage
+row (`tenants.ledger`) before the engine sees the request. `close` is safe to call more
+than once and after a cancellation: it aborts the engine requests still open, releases the
+slots, waits briefly for their final counters, completes the usage row with the tokens
+actually generated (aborted requests included) and settles both reservations.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from channels.db import database_sync_to_async
 from django.conf import settings
+from django.utils import timezone
 
 from inference import catalog, public_errors
 from inference.engine.async_engine import EngineNotRunningError, RequestStream
@@ -32,8 +34,9 @@ from inference.engine.errors import InvalidRequestError, QueueFullError
 from inference.engine.sequence import RequestOutput
 from inference.host import LOADING, EngineUnavailable, host
 from inference.protocol import GenerationRequest, bad_request
-from tenants import actions, errors, quota
+from tenants import admission, errors, quota
 from tenants.errors import ApiError
+from tenants.ledger import UsageEntry, ledger
 from tenants.limits import Decision, Lease
 from tenants.models import ApiKey, Tenant
 
@@ -41,6 +44,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's default
 FINAL_OUTPUT_WAIT_S = 5.0
+# A settlement Redis refused is tried again this many times, this far apart: a blip of a few
+# seconds must not leave a generation's tokens out of its tenant's monthly counter.
+SETTLE_RETRIES, SETTLE_RETRY_S = 5, 2.0
+
+# Settlements retried after the generation closed; held here so they are not collected.
+_settling: set[asyncio.Task] = set()
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,9 @@ class Generation:
     lane_override: int | None = None  # batch items: always P2, whatever they ask for
     metered: bool = True  # False: outside tokens/min (batch items); max_tokens and the monthly budget still hold
     request_id: str | None = None
+    # The usage row's key: one per generation unless given (a batch item's attempts share one).
+    billing_key: str | None = None
+    attempt: int = 0
 
     id: str = field(init=False)
     created: int = field(init=False)
@@ -150,9 +162,13 @@ class Generation:
     choices: list[Choice] = field(init=False, default_factory=list)
     usage: Usage = field(init=False, default_factory=Usage)
     token_decision: Decision | None = field(init=False, default=None)
-    _reserved: int = field(init=False, default=0)
+    _admission: quota.TokenAdmission | None = field(init=False, default=None)
     _lease: Lease | None = field(init=False, default=None)
     _renewer: asyncio.Task | None = field(init=False, default=None)
+    _holds: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)  # renewal vs release
+    _released: bool = field(init=False, default=False)
+    _admitted_at: str = field(init=False, default="")
+    _journaled: bool = field(init=False, default=False)
     _pumps: list[asyncio.Task] = field(init=False, default_factory=list)
     _queue: asyncio.Queue = field(init=False, default_factory=asyncio.Queue)
     _open: int = field(init=False, default=0)
@@ -203,20 +219,28 @@ class Generation:
         max_tokens = self._max_tokens(engine.engine.max_model_len)
         choices = request.n * len(self.prompt_token_ids)
         prompt_tokens = sum(len(p) for p in self.prompt_token_ids)
+        caller = f"tenant:{self.tenant.pk}"
+        admit = quota.admit_tokens if self.metered else quota.admit_unmetered_tokens
         try:
-            if self.metered:
-                self.token_decision = await database_sync_to_async(quota.admit_tokens)(
-                    self.tenant, prompt_tokens, max_tokens, choices)
-                self._reserved = prompt_tokens + max_tokens * choices
-            else:
-                await database_sync_to_async(quota.admit_unmetered_tokens)(self.tenant, max_tokens)
+            self._admission = await admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices,
+                                                  caller=caller, what="token admission")
         except ApiError as error:
             if error.param == "max_tokens":  # name the field the client sent
                 error.param = request.max_tokens_param
             raise
+        self.token_decision = self._admission.decision
         if self.hold_lease:
-            await self._open_lease()
-            self._renewer = asyncio.create_task(self._renew_lease(self._lease))
+            await self._open_lease(choices)
+        self._renewer = asyncio.create_task(self._renew_holds())
+        self._admitted_at = timezone.now().isoformat()
+        # Journaled before the engine sees the request: whatever happens next, it is billed.
+        try:
+            ledger().submit(self._usage_entry("open", Usage(prompt_tokens=prompt_tokens)))
+        except OSError as exc:  # no journal (disk full, folder gone): serve nothing we could not bill
+            log.error("generation %s: could not journal its usage: %s", self.id, exc)
+            raise ApiError(503, "The service is temporarily unavailable.", type="server_error",
+                           code="service_unavailable", headers={"Retry-After": "5"}) from None
+        self._journaled = True
         salt = f"tenant:{self.tenant.pk}" if tier.isolate_prefix_cache else None
         for p, token_ids in enumerate(self.prompt_token_ids):
             for j in range(request.n):
@@ -283,24 +307,42 @@ class Generation:
         by_request = settings.MAX_REQUEST_TOKENS // choices
         return max(1, min(default, tier.max_tokens_per_request, max_model_len - longest, by_rate, by_request))
 
-    async def _open_lease(self) -> None:
-        taking = asyncio.ensure_future(asyncio.to_thread(quota.open_stream, self.tenant))
+    async def _open_lease(self, choices: int) -> None:
+        """One concurrent-generation slot per choice, all or none."""
+        param = "n" if self.request.n > 1 else ("prompt" if self.request.kind == "completion" else "n")
+        taking = asyncio.ensure_future(admission.run(quota.open_stream, self.tenant, None, choices, param,
+                                                     caller=f"tenant:{self.tenant.pk}", what="generation slots"))
         try:
             self._lease = await asyncio.shield(taking)
         except asyncio.CancelledError:
-            # The client left while its slot was being taken: the thread takes it all the same.
-            # Wait for it so that close() gives it back, rather than leave it held for its TTL.
+            # The client left while its slots were being taken: the thread takes them all the same.
+            # Wait for it so that close() gives them back, rather than leave them held for their TTL.
             with contextlib.suppress(Exception):
                 self._lease = await taking
             raise
 
-    async def _renew_lease(self, lease: Lease) -> None:
+    async def _renew_holds(self) -> None:
+        """Keep the slots and the budget reservation alive while the generation runs."""
+        period = settings.STREAM_LEASE_TTL_S / 3
         while True:
-            await asyncio.sleep(lease.ttl_s / 3)
-            try:
-                await asyncio.to_thread(quota.renew_stream, lease)
-            except Exception as exc:  # Redis blipped: the lease may lapse, the stream goes on
-                log.warning("generation %s: could not renew its stream lease: %s", self.id, exc)
+            await asyncio.sleep(period)
+            async with self._holds:
+                if self._released:
+                    return
+                try:
+                    live = await asyncio.to_thread(self._renew_now)
+                except Exception as exc:  # Redis blipped: renewal puts lapsed slots back next time
+                    log.warning("generation %s: could not renew its slots and budget hold: %s", self.id, exc)
+                    continue
+                if not live:
+                    log.warning("generation %s: its slots had lapsed (Redis was away longer than their TTL); "
+                                "they count again", self.id)
+
+    def _renew_now(self) -> bool:
+        live = quota.renew_stream(self._lease) if self._lease is not None else True
+        if self._admission is not None:
+            quota.renew_budget(self._admission.budget)
+        return live
 
     async def _pump(self, choice: Choice) -> None:
         try:
@@ -379,9 +421,9 @@ class Generation:
             await choice.stream.aclose()
         for task in self._pumps:
             task.cancel()
-        # The client's stream is over: free its slot now, not after the engine's final counters
-        # and the usage row (a database write that queues behind every other one in the process).
-        await self._release_lease()
+        # The client's stream is over: free its slots now, not after the engine's final counters.
+        await self._release_holds()
+        written = None
         try:
             finals = await asyncio.gather(*(c.stream.final(FINAL_OUTPUT_WAIT_S) for c in self.choices), return_exceptions=True)
             for choice, final in zip(self.choices, finals):
@@ -390,22 +432,52 @@ class Generation:
                     choice.finish_reason = choice.finish_reason or final.finish_reason
             self.usage = self._usage()
             if self.choices:
-                # Not on the one thread that admits requests (thread_sensitive): a burst of
-                # finishing requests writing usage rows would queue the next admissions behind them.
-                await database_sync_to_async(self._bill, thread_sensitive=False)()
-            elif self._reserved:  # refused after the reservation (stream limit, engine, cancel): give it all back
-                await asyncio.to_thread(quota.settle_tokens, self.tenant, self._reserved, 0)
+                written = ledger().submit(self._usage_entry("close", self.usage))
+            elif self._journaled:  # refused after admission (engine, cancel): nothing ran
+                ledger().submit(self._usage_entry("void", Usage()))
         except Exception:
-            log.exception("generation %s: settling usage failed", self.id)
+            log.exception("generation %s: recording usage failed", self.id)
+        if self._admission is not None:
+            used = self.usage.total_tokens if self.choices else 0
+            await _settle_quota(self.id, self.tenant, self._admission, used)
+        if written is not None:
+            # Normally milliseconds; a locked database must not hold the response's end for long.
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(written)), settings.USAGE_WRITE_WAIT_S)
+        if self.choices:
+            reasons = ",".join(sorted({c.finish_reason or "abort" for c in self.choices}))
+            log.info("generation %s: tenant %s lane P%d, %d prompt + %d completion tokens (%s)", self.id,
+                     self.tenant.pk, self.lane, self.usage.prompt_tokens, self.usage.completion_tokens, reasons)
 
-    async def _release_lease(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-        if self._lease is not None:
-            try:
-                await asyncio.to_thread(quota.close_stream, self._lease)
-            except Exception as exc:  # the lease expires by itself after its TTL
-                log.warning("generation %s: could not release its stream lease: %s", self.id, exc)
+    async def _release_holds(self) -> None:
+        async with self._holds:
+            self._released = True
+            if self._renewer is not None:
+                self._renewer.cancel()
+            if self._lease is not None:
+                try:
+                    await asyncio.to_thread(quota.close_stream, self._lease)
+                except Exception as exc:  # the slots expire by themselves after their TTL
+                    log.warning("generation %s: could not release its slots: %s", self.id, exc)
+
+    def _usage_entry(self, op: str, usage: Usage) -> UsageEntry:
+        now = time.monotonic()
+        return UsageEntry(
+            op=op,
+            key=self.billing_key or self.id,
+            tenant_id=self.tenant.pk,
+            lane=self.lane,
+            created=self._admitted_at,
+            api_key_id=self.caller.api_key.pk if self.caller.api_key is not None else None,
+            request_id=self.id,
+            model=self.model,
+            attempt=self.attempt,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            ttft_ms=None if self._first_token_at is None else round((self._first_token_at - self._started_at) * 1000),
+            latency_ms=round((now - self._started_at) * 1000) if op == "close" else None,
+            finish_reason=",".join(sorted({c.finish_reason or "abort" for c in self.choices})) if op == "close" else "",
+        )
 
     def _usage(self) -> Usage:
         usage = Usage(prompt_tokens=sum(len(p) for p in self.prompt_token_ids))
@@ -418,21 +490,27 @@ class Generation:
         usage.cached_tokens = sum(cached.values())
         return usage
 
-    def _bill(self) -> None:
-        now = time.monotonic()
-        reasons = {c.finish_reason or "abort" for c in self.choices}
-        actions.record_usage(
-            self.tenant,
-            lane=self.lane,
-            prompt_tokens=self.usage.prompt_tokens,
-            completion_tokens=self.usage.completion_tokens,
-            api_key=self.caller.api_key,
-            request_id=self.id,
-            model=self.model,
-            ttft_ms=None if self._first_token_at is None else round((self._first_token_at - self._started_at) * 1000),
-            latency_ms=round((now - self._started_at) * 1000),
-            finish_reason=",".join(sorted(reasons)),
-        )
-        quota.settle_tokens(self.tenant, self._reserved, self.usage.total_tokens)
-        log.info("generation %s: tenant %s lane P%d, %d prompt + %d completion tokens (%s)", self.id,
-                 self.tenant.pk, self.lane, self.usage.prompt_tokens, self.usage.completion_tokens, ",".join(sorted(reasons)))
+
+async def _settle_quota(gen_id: str, tenant: Tenant, taken: quota.TokenAdmission, used: int) -> None:
+    """Settle tokens/min and the monthly budget; if Redis refuses, keep trying in the background."""
+    try:
+        await asyncio.to_thread(quota.settle, tenant, taken, used)
+        return
+    except Exception as exc:
+        log.warning("generation %s: could not settle its reservations (%s); retrying", gen_id, exc)
+
+    async def retry() -> None:
+        for attempt in range(SETTLE_RETRIES):
+            await asyncio.sleep(SETTLE_RETRY_S * (attempt + 1))
+            try:
+                await asyncio.to_thread(quota.settle, tenant, taken, used)
+                return
+            except Exception as exc:
+                last = exc
+        # The budget hold lapses by itself; the monthly counter misses these tokens until it is
+        # next rebuilt from the usage rows, which have them.
+        log.error("generation %s: gave up settling %d tokens: %s", gen_id, used, last)
+
+    task = asyncio.create_task(retry())
+    _settling.add(task)
+    task.add_done_callback(_settling.discard)

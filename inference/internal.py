@@ -6,16 +6,17 @@ A worker authenticates with its service token (`Authorization: Bearer
 P2 whatever it asks for, is not counted against the tenant's interactive requests/min or
 tokens/min (batch work has its own pace: the engine's back-pressure), is still held to
 the tier's max_tokens and monthly budget, and its usage is recorded against the tenant in
-lane P2 with the worker's `X-Request-Id`.
+lane P2 with the worker's `X-Request-Id`. A worker names the item and its attempt
+(`X-Batch-Item`, `X-Batch-Attempt`): an item's attempts share one usage row, each replacing
+the last, so an item whose worker died after the engine billed it is billed once.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from channels.db import database_sync_to_async
-
 from inference.consumers import OpenAIConsumer
 from inference.service_tokens import is_batch_worker_token
+from tenants import admission
 from tenants.errors import ApiError
 from tenants.middleware import Scope, refuse, scope_header
 from tenants.models import Lane, Tenant
@@ -40,7 +41,11 @@ class ServiceTokenMiddleware:
             error = ApiError(401, "Internal endpoints need 'Authorization: Bearer <BATCH_WORKER_TOKEN>'.",
                              code="invalid_service_token", headers={"WWW-Authenticate": "Bearer"})
             return await refuse(scope, receive, send, error)
-        tenant = await database_sync_to_async(_tenant)(scope_header(scope, b"x-tenant-id") or "")
+        tenant_id = scope_header(scope, b"x-tenant-id") or ""
+        try:
+            tenant = await admission.run(_tenant, tenant_id, caller=f"batch:{tenant_id[:32]}", what="batch tenant lookup")
+        except ApiError as error:
+            return await refuse(scope, receive, send, error)
         if tenant is None:
             error = ApiError(404, "No active tenant with the id in X-Tenant-Id.", code="tenant_not_found",
                              param="X-Tenant-Id")
@@ -57,6 +62,12 @@ class BatchItemConsumer(OpenAIConsumer):
     def request_id(self) -> str | None:
         given = (self.header(b"x-request-id") or "").strip()
         return given[:MAX_REQUEST_ID] or None
+
+    def billing(self) -> dict:
+        item, attempt = (self.header(b"x-batch-item") or "").strip(), (self.header(b"x-batch-attempt") or "").strip()
+        if not (item.isdigit() and attempt.isdigit()):
+            return {}
+        return {"billing_key": f"batch-item:{int(item)}", "attempt": int(attempt)}
 
 
 class BatchChatConsumer(BatchItemConsumer):

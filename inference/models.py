@@ -121,6 +121,9 @@ class BatchItem(models.Model):
     # (engine back-pressure, a worker shutting down) give theirs back; the rest count, so
     # an item that keeps killing its worker fails after BATCH_MAX_ATTEMPTS instead of looping.
     attempts = models.PositiveIntegerField(default=0)
+    # Every run of the item, counted or not (attempts gives uncounted ones back): the engine
+    # keys the item's one usage row by it, so each run's bill replaces the last run's.
+    runs = models.PositiveIntegerField(default=0)
     not_before = models.DateTimeField(null=True, blank=True)  # backoff: not sent before this
     dispatched_at = models.DateTimeField(null=True, blank=True)  # a message for it is in flight
     dispatch_epoch = models.CharField(max_length=32, blank=True)  # the Redis it was sent through

@@ -11,11 +11,20 @@ Server messages:
     {"type": "token", "id", "seq", "index", "delta"}       seq counts 0, 1, 2... per id
     {"type": "done", "id", "finish_reasons", "usage"}      finish reason "cancelled" after a cancel
     {"type": "error", "id", "error": {OpenAI error}}       one generation refused or failed; the socket stays
-Close codes, each after an `error` frame saying why: 4401 unauthenticated, 4429 rate
-limited (4000 + the HTTP status, as the key middleware closes), and RFC 6455's 1008
-protocol violation (not JSON, unknown type, no id), 1009 message too large, 1011 server
-error. (daphne's WebSocket layer refuses 1008/1009/1011 from an application unless
+Close codes, each after an `error` frame saying why: 4401 unauthenticated (also when the
+key is revoked or expires, or its tenant is deactivated, while the socket is open), 4429
+rate limited (more than WS_MAX_FRAMES_PER_S messages a second, or WS_MAX_SOCKETS_PER_KEY
+sockets open on the key), 4503 the limits store is away at authentication (4000 + the
+HTTP status, as the key middleware closes), and RFC 6455's 1008 protocol violation (not
+JSON, unknown type, no id), 1009 message too large, 1011 server error. (daphne's WebSocket
+layer refuses 1008/1009/1011 from an application unless
 `config.daphne_hooks.allow_endpoint_close_codes` is installed, which `config.asgi` does.)
+
+The key is read again from the database every WS_AUTH_RECHECK_S while the socket is open,
+and before a `start` when the last read is older than that: a revoked key stops at once,
+and a `start` runs under the tenant's tier as it is now. A failure of the database or of
+Redis while admitting one `start` is an `error` (503) for that id; the socket and its other
+generations go on.
 """
 from __future__ import annotations
 
@@ -24,15 +33,18 @@ import json
 import logging
 from typing import Any
 
-from channels.db import database_sync_to_async
+import time
+
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from inference import protocol
 from inference.generation import Caller, Generation, engine_failure
-from tenants import errors, quota
-from tenants.authentication import authenticate_bearer
+from tenants import admission, errors, quota
+from tenants.authentication import reload_key
 from tenants.errors import ApiError
+from tenants.limits import Lease
+from tenants.middleware import authenticate_and_admit
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +58,27 @@ class ProtocolViolation(Exception):
     pass
 
 
-def _admit_key(header: str) -> Caller:
-    api_key = authenticate_bearer(header)
-    return Caller(tenant=api_key.tenant, api_key=api_key, rate_limit=quota.admit_request(api_key.tenant))
+class FrameRate:
+    """A token bucket of `rate` messages a second, `2 * rate` deep: a socket's own, in memory."""
+
+    def __init__(self, rate: float, clock=time.monotonic) -> None:
+        self.rate, self.capacity, self.clock = rate, 2 * rate, clock
+        self.level, self.at = self.capacity, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        self.at = now
+        if self.level < 1:
+            return False
+        self.level -= 1
+        return True
+
+
+def _frames_exceeded() -> ApiError:
+    rate = settings.WS_MAX_FRAMES_PER_S
+    return ApiError(429, f"More than {rate:g} messages a second on this WebSocket (WS_MAX_FRAMES_PER_S).",
+                    type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
 class ChatSocketConsumer(AsyncWebsocketConsumer):
@@ -58,10 +88,15 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
         self.caller: Caller | None = None
         self.generations: dict[str, asyncio.Task] = {}
         self._auth_timer: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._socket_lease: Lease | None = None
+        self._checked_at = 0.0
+        self._frames = FrameRate(settings.WS_MAX_FRAMES_PER_S)
         await self.accept()
         tenant = self.scope.get("tenant")
         if tenant is not None:
-            self.caller = Caller(tenant=tenant, api_key=self.scope.get("api_key"), rate_limit=self.scope.get("rate_limit"))
+            await self._authenticated(Caller(tenant=tenant, api_key=self.scope.get("api_key"),
+                                             rate_limit=self.scope.get("rate_limit")))
         else:
             self._auth_timer = asyncio.create_task(self._auth_deadline())
 
@@ -71,13 +106,23 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
             await self._close_with(errors.missing_api_key())
 
     async def disconnect(self, code: int) -> None:
-        if self._auth_timer is not None:
-            self._auth_timer.cancel()
+        for task in (self._auth_timer, self._watcher):
+            if task is not None:
+                task.cancel()
         for task in list(self.generations.values()):
             task.cancel()
+        if self._socket_lease is not None:
+            lease, self._socket_lease = self._socket_lease, None
+            try:
+                await asyncio.to_thread(quota.close_socket, lease)
+            except Exception as exc:  # it expires by itself after its TTL
+                log.warning("websocket: could not release its socket slot: %s", exc)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         try:
+            if not self._frames.take():
+                await self._close_with(_frames_exceeded())
+                return
             if text_data is None:
                 raise ProtocolViolation("send JSON text frames, not binary ones")
             if len(text_data.encode("utf-8", errors="surrogatepass")) > settings.MAX_REQUEST_BYTES:
@@ -118,12 +163,58 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
         if not isinstance(key, str):
             return await self._close_with(errors.missing_api_key())
         try:
-            self.caller = await database_sync_to_async(_admit_key)(f"Bearer {key}")
+            api_key, decision = await authenticate_and_admit(f"Bearer {key}")
         except ApiError as error:
             return await self._close_with(error)
         if self._auth_timer is not None:
             self._auth_timer.cancel()
-        await self._send({"type": "authenticated", "tenant": self.caller.tenant.name})
+        if await self._authenticated(Caller(tenant=api_key.tenant, api_key=api_key, rate_limit=decision)):
+            await self._send({"type": "authenticated", "tenant": self.caller.tenant.name})
+
+    async def _authenticated(self, caller: Caller) -> bool:
+        """Take one of the key's socket slots and start watching the key; False (closed) if refused."""
+        try:
+            self._socket_lease = await admission.run(quota.open_socket, caller.api_key, caller=f"key:{caller.api_key.prefix}",
+                                                     what="socket slot")
+        except ApiError as error:
+            await self._close_with(error)
+            return False
+        self.caller = caller
+        self._checked_at = time.monotonic()
+        self._watcher = asyncio.create_task(self._watch_key())
+        return True
+
+    async def _watch_key(self) -> None:
+        """Re-read the key while the socket is open; close with 4401 once it is no longer live."""
+        period = min(settings.WS_AUTH_RECHECK_S, settings.STREAM_LEASE_TTL_S / 3)
+        while True:
+            await asyncio.sleep(max(0.0, self._checked_at + period - time.monotonic()))
+            if time.monotonic() - self._checked_at >= period and not await self._recheck():
+                return
+            if self._socket_lease is not None:
+                try:
+                    await asyncio.to_thread(quota.renew_socket, self._socket_lease)
+                except Exception as exc:  # Redis blipped: the slot is put back on the next renewal
+                    log.warning("websocket: could not renew its socket slot: %s", exc)
+
+    async def _recheck(self) -> bool:
+        """Read the key again; False (and the socket closed) when it is revoked, expired or its
+        tenant inactive. A database that does not answer keeps the last answer: the next
+        check tries again."""
+        api_key = self.caller.api_key
+        try:
+            fresh = await admission.run(reload_key, api_key.pk, caller=f"key:{api_key.prefix}", what="key re-check")
+        except ApiError as error:
+            if error.status != 401:
+                log.warning("websocket: could not re-check its key (%s); keeping the last answer", error.code)
+                return True
+            for task in list(self.generations.values()):
+                task.cancel()
+            await self._close_with(error)
+            return False
+        self.caller = Caller(tenant=fresh.tenant, api_key=fresh, rate_limit=self.caller.rate_limit)
+        self._checked_at = time.monotonic()
+        return True
 
     def _id(self, message: dict) -> str:
         gen_id = message.get("id")
@@ -137,11 +228,14 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
             return await self._error(gen_id, ApiError(400, f"A generation with id {gen_id!r} is already running on this socket.",
                                                       code="duplicate_id", param="id"))
         body = {k: v for k, v in message.items() if k not in ("type", "id")}
+        if time.monotonic() - self._checked_at >= settings.WS_AUTH_RECHECK_S and not await self._recheck():
+            return
+        tenant = self.caller.tenant
         try:
             request = protocol.parse_chat(body)
             if request.n != 1:
                 raise protocol.bad_request("WebSocket generations take n = 1; start several instead.", "n", "invalid_value")
-            decision = await database_sync_to_async(quota.admit_request)(self.caller.tenant)
+            decision = await admission.run(quota.admit_request, tenant, caller=f"tenant:{tenant.pk}", what="start admission")
         except ApiError as error:
             return await self._error(gen_id, error)
         caller = Caller(self.caller.tenant, self.caller.api_key, decision)

@@ -4,14 +4,23 @@ Views, admin pages and management commands parse their input and call one of the
 keeping writes in one place keeps their invariants (no plaintext key stored, usage
 charged to the budget) in one place too.
 """
+from __future__ import annotations
+
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from tenants import keys, quota
 from tenants.models import ApiKey, Lane, QuotaTier, Tenant, UsageRecord
+
+if TYPE_CHECKING:
+    from tenants.ledger import UsageEntry
+
+log = logging.getLogger(__name__)
 
 # last_used is advisory: writing it on every request would turn each read into a write.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
@@ -95,12 +104,30 @@ def revoke_key(api_key: ApiKey, now: datetime | None = None) -> ApiKey:
     return api_key
 
 
+def key_use_is_news(api_key: ApiKey, now: datetime) -> bool:
+    """Whether `last_used` is due a write (it is kept to LAST_USED_RESOLUTION)."""
+    return api_key.last_used is None or now - api_key.last_used >= LAST_USED_RESOLUTION
+
+
 def mark_key_used(api_key: ApiKey, now: datetime) -> None:
-    """Record that the key was used, at most once per LAST_USED_RESOLUTION."""
-    if api_key.last_used is not None and now - api_key.last_used < LAST_USED_RESOLUTION:
-        return
-    ApiKey.objects.filter(pk=api_key.pk).update(last_used=now)
-    api_key.last_used = now
+    """Record that the key was used, at most once per LAST_USED_RESOLUTION (here and now:
+    the synchronous views; the streaming paths hand it to `tenants.ledger` instead)."""
+    if key_use_is_news(api_key, now) and touch_key(api_key.pk, now):
+        api_key.last_used = now
+
+
+def touch_key(api_key_id: int, now: datetime) -> bool:
+    """Write `last_used`, unless another transaction holds the key's row locked (False: try
+    again later). Waiting on the lock would hold up whoever waits for this write (PostgreSQL;
+    SQLite has no row locks and waits on its one write lock instead)."""
+    with transaction.atomic():
+        rows = ApiKey.objects.filter(pk=api_key_id)
+        if connection.features.has_select_for_update_skip_locked:
+            free = list(rows.select_for_update(skip_locked=True).values_list("pk", flat=True))
+            if not free and rows.exists():
+                return False
+        rows.update(last_used=now)
+    return True
 
 
 def record_usage(
@@ -135,3 +162,43 @@ def record_usage(
     )
     quota.charge_monthly_tokens(tenant, record.total_tokens, record.created)
     return record
+
+
+def apply_usage(entry: UsageEntry) -> None:
+    """Write one ledger entry to its usage row; idempotent, so the ledger may retry it.
+
+    `open` creates the row (prompt tokens, not closed); `close` completes it; `void` removes
+    it (nothing ran). A batch item's later attempt replaces an earlier attempt's row and
+    gives that attempt's tokens back to the monthly counter: the item is billed once.
+    Entries of an attempt older than the row's are stale and change nothing.
+    """
+    fields = {
+        "tenant_id": entry.tenant_id, "api_key_id": entry.api_key_id, "request_id": entry.request_id[:64],
+        "model": entry.model[:128], "lane": Lane(entry.lane), "attempt": entry.attempt,
+        "prompt_tokens": entry.prompt_tokens, "completion_tokens": entry.completion_tokens,
+        "ttft_ms": entry.ttft_ms, "latency_ms": entry.latency_ms, "finish_reason": entry.finish_reason[:32],
+        "created": entry.created_at, "closed": entry.op == "close",
+    }
+    replaced = None
+    with transaction.atomic():
+        row = UsageRecord.objects.select_for_update().filter(key=entry.key).first()
+        if entry.op == "void":
+            if row is not None and row.attempt == entry.attempt and not row.closed:
+                row.delete()
+            return
+        if row is None:
+            UsageRecord.objects.create(key=entry.key, **fields)
+            return
+        if entry.attempt < row.attempt or (entry.attempt == row.attempt and (row.closed or entry.op == "open")):
+            return  # stale, or already written (a retry of a write that had landed)
+        if entry.attempt > row.attempt and row.closed:
+            replaced = (row.total_tokens, row.created)
+        for name, value in fields.items():
+            setattr(row, name, value)
+        row.save()
+    if replaced is not None:
+        try:
+            quota.charge_monthly_tokens(row.tenant, -replaced[0], replaced[1])
+        except Exception as exc:  # over-counts the budget until the month ends, never the bill
+            log.warning("usage %s: could not give back a replaced attempt's %d tokens: %s",
+                                                entry.key, replaced[0], exc)

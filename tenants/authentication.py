@@ -39,7 +39,8 @@ def authenticate_bearer(header: str | None) -> ApiKey:
     """The live key an Authorization header carries, with its tenant and tier loaded.
 
     Raises a 401 `ApiError` for a missing, malformed, unknown, wrong, revoked or expired
-    key, or one whose tenant is inactive.
+    key, or one whose tenant is inactive. Reads only: the caller records the key's use
+    (`actions.mark_key_used` on synchronous views, `note_key_use` on the streaming paths).
     """
     token = bearer_token(header)
     if token is None:
@@ -52,15 +53,38 @@ def authenticate_bearer(header: str | None) -> ApiKey:
     if api_key is None or not matched:
         raise errors.invalid_api_key()
     # From here on the caller has proved it holds the secret, so saying why is safe.
-    now = timezone.now()
+    _check_live(api_key, timezone.now())
+    return api_key
+
+
+def _check_live(api_key: ApiKey, now) -> None:
     if api_key.revoked is not None:
         raise errors.invalid_api_key("This API key has been revoked.")
     if not api_key.is_usable(now):
         raise errors.invalid_api_key("This API key has expired.")
     if not api_key.tenant.is_active:
         raise errors.invalid_api_key("This API key's organization is inactive.")
-    actions.mark_key_used(api_key, now)
+
+
+def reload_key(api_key_id: int) -> ApiKey:
+    """The key as the database has it now (tenant and tier loaded), for a caller that
+    authenticated earlier and holds on (a WebSocket): 401 once it is revoked, expired, gone
+    or its tenant deactivated."""
+    api_key = ApiKey.objects.select_related("tenant__tier").filter(pk=api_key_id).first()
+    if api_key is None:
+        raise errors.invalid_api_key("This API key has been revoked.")
+    _check_live(api_key, timezone.now())
     return api_key
+
+
+def note_key_use(api_key: ApiKey) -> None:
+    """Record the key's use without waiting on the database (the ledger's writer does it)."""
+    from tenants.ledger import ledger
+
+    now = timezone.now()
+    if actions.key_use_is_news(api_key, now):
+        ledger().touch_key(api_key.pk, now)
+        api_key.last_used = now
 
 
 class ApiKeyAuthentication(BaseAuthentication):
@@ -71,6 +95,7 @@ class ApiKeyAuthentication(BaseAuthentication):
         if not header:
             return None  # IsAuthenticated then answers 401 missing_api_key
         api_key = authenticate_bearer(header)
+        actions.mark_key_used(api_key, timezone.now())
         return api_key.tenant, api_key
 
     def authenticate_header(self, request: Request) -> str:

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import redis
+from django import db
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 
@@ -56,8 +57,15 @@ def missing_api_key() -> ApiError:
     )
 
 
+# What Retry-After says for a wait that has no end (a cost above its limit, which a
+# client learns from the message): an hour, which is at least not a busy loop.
+NO_END_RETRY_S = 3600
+
+
 def format_reset(seconds: float) -> str:
     """OpenAI's reset format: `120ms`, `1s`, `6m0s`, `1h2m3s`."""
+    if not math.isfinite(seconds):
+        seconds = NO_END_RETRY_S
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     whole = math.ceil(seconds)
@@ -84,13 +92,18 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
 
 def retry_after(seconds: float) -> str:
     """Whole seconds, rounded up: retrying at that instant is never too early."""
+    if not math.isfinite(seconds):
+        return str(NO_END_RETRY_S)
     return str(max(1, math.ceil(seconds)))
 
 
 _RATE_LIMIT_MESSAGES = {
     "requests": "Rate limit reached for requests per minute: limit {limit}. Try again in {wait}.",
     "tokens": "Rate limit reached for tokens per minute: limit {limit}, remaining {remaining}. Try again in {wait}.",
-    "streams": "Too many concurrent streams: limit {limit}. Try again in {wait}, or when one of yours ends.",
+    "streams": "Too many concurrent generations (each choice of a request is one): limit {limit}. "
+               "Try again in {wait}, or when one of yours ends.",
+    "sockets": "Too many open WebSockets for this API key (WS_MAX_SOCKETS_PER_KEY): limit {limit}. "
+               "Close one, or try again in {wait}.",
 }
 
 
@@ -121,12 +134,46 @@ def quota_exhausted(budget: int, seconds_to_reset: float) -> ApiError:
     )
 
 
+# How soon to retry when the rest of a budget is held by generations in flight: most end
+# within seconds, and each one ending gives back what it did not use.
+BUDGET_HELD_RETRY_S = 2
+
+
+def budget_held(budget: int, used: int, reserved: int) -> ApiError:
+    return ApiError(
+        429,
+        f"Your monthly token budget of {budget} has {max(0, budget - used)} tokens left, all of them reserved by "
+        f"your requests in flight ({reserved} tokens at most). Try again when one of them ends.",
+        type="insufficient_quota",
+        code="budget_reserved",
+        headers={"Retry-After": str(BUDGET_HELD_RETRY_S)},
+    )
+
+
 def limits_unavailable(exc: Exception) -> ApiError:
     """Limits cannot be checked: refuse rather than serve unmetered traffic."""
     log.error("rate-limit store unavailable: %s", exc)
     return ApiError(
         503, "The service is temporarily unavailable.", type="server_error", code="service_unavailable",
         headers={"Retry-After": "1"},
+    )
+
+
+def database_unavailable(exc: Exception) -> ApiError:
+    """The database refused or failed a read the request needs (locked, gone, restarting)."""
+    log.error("database unavailable on a tenant path: %s: %s", type(exc).__name__, exc)
+    return ApiError(
+        503, "The service is temporarily unavailable.", type="server_error", code="service_unavailable",
+        headers={"Retry-After": "2"},
+    )
+
+
+def dependency_timeout(what: str, seconds: float) -> ApiError:
+    """Admission waited `seconds` on the database or Redis: answer rather than hang."""
+    log.error("%s took over %.1f s; answering 503", what, seconds)
+    return ApiError(
+        503, "The service is temporarily unavailable.", type="server_error", code="service_unavailable",
+        headers={"Retry-After": "2"},
     )
 
 
@@ -148,4 +195,6 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
         return as_response(ApiError(exc.status_code, message, code=code))
     if isinstance(exc, redis.RedisError):
         return as_response(limits_unavailable(exc))
+    if isinstance(exc, db.Error):
+        return as_response(database_unavailable(exc))
     return None

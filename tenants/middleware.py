@@ -10,11 +10,8 @@ accepted, sent the error as one JSON text frame, and closed with code 4000 + HTT
 import json
 from typing import Any
 
-import redis
-from channels.db import database_sync_to_async
-
-from tenants import errors, quota
-from tenants.authentication import authenticate_bearer
+from tenants import admission, errors, keys, quota
+from tenants.authentication import authenticate_bearer, bearer_token, note_key_use
 from tenants.limits import Decision
 from tenants.models import ApiKey
 
@@ -30,7 +27,21 @@ def scope_header(scope: Scope, name: bytes) -> str | None:
 
 def _authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     api_key = authenticate_bearer(header)
-    return api_key, quota.admit_request(api_key.tenant)
+    decision = quota.admit_request(api_key.tenant)
+    note_key_use(api_key)
+    return api_key, decision
+
+
+def caller_of(header: str | None) -> str:
+    """Who an Authorization header claims to be, before anything is checked: its key's
+    public prefix, which is all the admission pool needs to keep callers apart."""
+    parsed = keys.parse(bearer_token(header) or "")
+    return f"key:{parsed.prefix}" if parsed else "key:?"
+
+
+async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
+    """Key and requests/min, on the admission pool; every refusal or failure is an ApiError."""
+    return await admission.run(_authenticate_and_admit, header, caller=caller_of(header), what="key admission")
 
 
 class ApiKeyAuthMiddleware:
@@ -46,11 +57,9 @@ class ApiKeyAuthMiddleware:
             # the first message instead (scope["tenant"] is None until it does).
             return await self.app({**scope, "tenant": None, "api_key": None, "rate_limit": None}, receive, send)
         try:
-            api_key, decision = await database_sync_to_async(_authenticate_and_admit)(header)
+            api_key, decision = await authenticate_and_admit(header)
         except errors.ApiError as error:
             return await refuse(scope, receive, send, error)
-        except redis.RedisError as exc:
-            return await refuse(scope, receive, send, errors.limits_unavailable(exc))
         scope = {**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision}
         return await self.app(scope, receive, send)
 

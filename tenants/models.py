@@ -88,10 +88,20 @@ class ApiKey(models.Model):
 
 
 class UsageRecord(models.Model):
-    """One finished (or aborted) request's token usage: the billing source of truth."""
+    """One request's token usage (aborted ones too): the billing source of truth.
+
+    A generation's row is written when it is admitted (`closed` False: its prompt) and
+    completed when it ends, both through `tenants.ledger`, keyed by `key` so that a write
+    retried from the ledger's outbox lands once. A batch item has one row whatever its
+    attempts: each attempt replaces the last one's (`attempt`), so an item is billed once.
+    """
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
     api_key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    # Empty for rows written directly (record_usage), which nothing retries.
+    key = models.CharField(max_length=128, null=True, blank=True, unique=True, editable=False)
+    attempt = models.PositiveIntegerField(default=0, editable=False)
+    closed = models.BooleanField(default=True, help_text="False while the request runs (or if its server died).")
     request_id = models.CharField(max_length=64, blank=True)
     model = models.CharField(max_length=128, blank=True)
     lane = models.PositiveSmallIntegerField(choices=Lane.choices)

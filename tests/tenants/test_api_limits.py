@@ -65,7 +65,7 @@ def test_token_admission_checks_max_tokens_tokens_per_minute_and_the_monthly_bud
         quota.admit_tokens(tenant, prompt_tokens=10, max_tokens=51)
     assert (too_long.value.status, too_long.value.param) == (400, "max_tokens")
 
-    assert quota.admit_tokens(tenant, prompt_tokens=30, max_tokens=40).bucket("tokens").remaining == 30
+    assert quota.admit_tokens(tenant, prompt_tokens=30, max_tokens=40).decision.bucket("tokens").remaining == 30
     with pytest.raises(errors.ApiError) as per_minute:
         quota.admit_tokens(tenant, prompt_tokens=1, max_tokens=40)
     assert (per_minute.value.status, per_minute.value.type) == (429, "tokens")
@@ -106,6 +106,78 @@ def test_concurrent_streams_are_leased_per_tenant(make_tier, make_tenant):
     assert (refused.value.status, refused.value.type) == (429, "streams")
     quota.close_stream(lease)
     quota.close_stream(quota.open_stream(tenant))
+
+
+def test_each_choice_of_a_generation_takes_a_slot_all_or_none(make_tier, make_tenant):
+    """Issue 24 item 4: `n` counted as one slot, so 8 streams of n=16 filled the engine."""
+    tenant, _ = make_tenant("acme", make_tier(concurrent_streams=8))
+    six = quota.open_stream(tenant, count=6)
+    assert quota.limiter().leases_held(f"tenant:{tenant.pk}", "streams") == 6
+    with pytest.raises(errors.ApiError) as refused:
+        quota.open_stream(tenant, count=3)  # 6 + 3 > 8: none of the three is taken
+    assert (refused.value.status, refused.value.type) == (429, "streams")
+    assert quota.limiter().leases_held(f"tenant:{tenant.pk}", "streams") == 6
+    two = quota.open_stream(tenant, count=2)
+    quota.close_stream(six)
+    assert quota.limiter().leases_held(f"tenant:{tenant.pk}", "streams") == 2
+    quota.close_stream(two)
+    with pytest.raises(errors.ApiError) as never:
+        quota.open_stream(tenant, count=9)  # more choices than the tier's slots: say so, do not wait
+    assert (never.value.status, never.value.code, never.value.param) == (400, "too_many_choices", "n")
+
+
+def test_parallel_generations_cannot_together_overspend_the_monthly_budget(make_tier, make_tenant):
+    """Issue 24 item 5: checked before and charged after, 8 parallel requests under a
+    100-token budget used 1,856 tokens. Each admission now holds its most against the budget."""
+    tenant, _ = make_tenant("acme", make_tier(monthly_token_budget=100, tokens_per_minute=100_000))
+    first = quota.admit_tokens(tenant, prompt_tokens=20, max_tokens=200)
+    with pytest.raises(errors.ApiError) as held:
+        quota.admit_tokens(tenant, prompt_tokens=20, max_tokens=200)
+    assert (held.value.status, held.value.code) == (429, "budget_reserved")
+    assert held.value.headers["Retry-After"] == str(errors.BUDGET_HELD_RETRY_S)
+    quota.settle(tenant, first, used=60)  # it stopped early: 60 of its 220 tokens
+    assert quota.monthly_tokens_used(tenant) == 60
+    second = quota.admit_tokens(tenant, prompt_tokens=20, max_tokens=200)  # 40 left: admitted
+    quota.settle(tenant, second, used=220)
+    # Over by at most the one request that was admitted while some budget was left.
+    assert quota.monthly_tokens_used(tenant) == 280
+    with pytest.raises(errors.ApiError) as spent:
+        quota.admit_tokens(tenant, prompt_tokens=1, max_tokens=1)
+    assert (spent.value.status, spent.value.code) == (429, "insufficient_quota")
+
+
+def test_a_reservation_whose_holder_died_lapses_and_gives_the_budget_back(make_tier, make_tenant, settings):
+    settings.STREAM_LEASE_TTL_S = 0.3
+    tenant, _ = make_tenant("acme", make_tier(monthly_token_budget=100))
+    quota.admit_unmetered_tokens(tenant, prompt_tokens=10, max_tokens=200)  # never settled: its process died
+    with pytest.raises(errors.ApiError):
+        quota.admit_unmetered_tokens(tenant, prompt_tokens=10, max_tokens=200)
+    time.sleep(0.4)
+    quota.settle_budget(tenant, quota.admit_unmetered_tokens(tenant, prompt_tokens=10, max_tokens=20).budget, 30)
+    assert quota.monthly_tokens_used(tenant) == 30
+
+
+@pytest.mark.parametrize("field, call", [
+    ("requests_per_minute", lambda tenant: quota.admit_request(tenant)),
+    ("tokens_per_minute", lambda tenant: quota.admit_tokens(tenant, prompt_tokens=1, max_tokens=1)),
+    ("concurrent_streams", lambda tenant: quota.open_stream(tenant)),
+])
+def test_a_limit_set_to_zero_refuses_clearly_instead_of_failing(make_tier, make_tenant, field, call):
+    """Issue 24 item 10: a limit set to 0 gave a 500."""
+    tenant, _ = make_tenant("acme", make_tier(**{field: 0}))
+    with pytest.raises(errors.ApiError) as refused:
+        call(tenant)
+    assert (refused.value.status, refused.value.code) == (403, "limit_is_zero")
+    assert field in refused.value.message
+    decision, _ = quota.minute_state(tenant)  # the console's read of the buckets works too
+    assert decision.bucket("requests") is not None
+
+
+def test_a_limit_set_to_zero_answers_the_api_client_in_the_openai_shape(make_tier, make_tenant, client_for):
+    _, issued = make_tenant("acme", make_tier(requests_per_minute=0))
+    response = client_for(issued.plaintext).get("/v1/models")
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "limit_is_zero"
 
 
 @pytest.mark.parametrize(
