@@ -15,6 +15,13 @@ TIERS: dict[str, dict] = {
     # tests/security/test_input_bounds.py: a tier whose own max_tokens lets n x max_tokens reach
     # the request bound (MAX_REQUEST_TOKENS) before the tier's limit does.
     "bounds-wide": {"lane": 1, **{**BIG, "max_tokens_per_request": 8192}},
+    # tests/security/test_generation_slots.py: eight concurrent generations
+    "slots-8": {"lane": 1, **{**BIG, "concurrent_streams": 8}},
+    # tests/security/test_budget_reservation.py: a budget a few replies spend
+    "budget-100": {"lane": 1, **{**BIG, "monthly_token_budget": 100}},
+    # tests/security/test_socket_reauth.py: a tier of its own to change under an open socket
+    "reauth-tier": {"lane": 1, **BIG},
+    # tests/security/test_websocket_limits.py: two sockets per key (WS_MAX_SOCKETS_PER_KEY below)
 }
 
 # tenant name -> tier name
@@ -29,6 +36,26 @@ TENANTS: dict[str, str] = {
     "uploads-acme": "hostile-p2",
     # tests/reliability/test_connection_burst.py: 400 concurrent streams, under its 1000 slots
     "burst": "hostile-p1",
+    # tests/security/test_generation_slots.py
+    "slots": "slots-8",
+    # tests/security/test_budget_reservation.py
+    "budget": "budget-100",
+    # tests/security/test_socket_reauth.py: one tenant per way of losing its rights
+    "reauth-revoked": "hostile-p1",
+    "reauth-inactive": "hostile-p1",
+    "reauth-tier": "reauth-tier",
+    # tests/security/test_websocket_limits.py
+    "ws-limits": "hostile-p1",
+    "ws-flood": "hostile-p1",
+    "ws-stall": "hostile-p1",
+    # tests/security/test_batch_billing.py
+    "batch-billing": "hostile-p2",
+    # tests/reliability/test_usage_outbox.py
+    "outbox": "hostile-p1",
+    # tests/reliability/test_admission_isolation.py: the tenant whose key row is locked, and two more
+    "locked": "hostile-p1",
+    "calm-a": "hostile-p1",
+    "calm-b": "hostile-p1",
 }
 
 # Settings of the live server (environment variables).
@@ -38,4 +65,11 @@ ENV: dict[str, str] = {
     # tests/security/test_input_bounds.py: under the live server's 256 KiB body limit, so a prompt
     # past it meets this bound rather than the body's.
     "MAX_PROMPT_CHARS": "65536",
+    # tests/security/test_socket_reauth.py: a revoked key's socket closes within a second or so
+    "WS_AUTH_RECHECK_S": "1",
+    # tests/security/test_websocket_limits.py
+    "WS_MAX_SOCKETS_PER_KEY": "2",
+    "WS_MAX_FRAMES_PER_S": "10",
+    # tests/reliability/test_admission_isolation.py: a stuck admission answers 503 in seconds
+    "ADMISSION_TIMEOUT_S": "4",
 }

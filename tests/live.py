@@ -142,6 +142,8 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
     child_env.update(env or {})
     child_env.update(DATABASE_URL=db_url, REDIS_URL=redis_url, INTERNAL_API_TOKEN=token,
                      DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
+    # Each server journals its usage entries in its own folder (tenants.ledger), unless told.
+    child_env.setdefault("USAGE_OUTBOX_DIR", str(tmp / "usage-outbox"))
     log_path = tmp / "daphne.log"
     server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
                         internal_token=token, env=child_env, log_path=log_path)

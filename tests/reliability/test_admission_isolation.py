@@ -1,0 +1,151 @@
+"""A stalled dependency on one tenant's path delays no other tenant, and every failure of one
+is a 503 in the OpenAI shape with Retry-After (issue 24 item 7: "All streaming and WebSocket
+authentication and admission share one thread (`database_sync_to_async` is
+thread-sensitive): a Redis stall made three requests wait 2.0/3.9/5.8 s in a row; one
+tenant's key-touch UPDATE waiting on a lock delayed another tenant's first byte 0.06 -> 14.6
+s, and past 20 s the caller got daphne's HTML 500").
+
+Admission runs on a pool of its own (tenants.admission) under ADMISSION_TIMEOUT_S (4 s on
+this server), and the key's `last_used` is written off the request's path (tenants.ledger).
+The bounds below are how long a hang may last before the test fails, not speed claims.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from tests.live import LiveServer
+
+pytestmark = pytest.mark.slow
+
+ADMISSION_TIMEOUT_S = 4.0  # tests/isolation_env.py
+
+
+def _chat(live: LiveServer, tenant: str, stream: bool = False) -> tuple[int, dict[str, str], bytes, float]:
+    """(status, headers, body, seconds) of a short chat."""
+    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, "stream": stream}
+    request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {live.keys[tenant]}",
+                                              "Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, dict(response.headers), response.read(), time.monotonic() - started
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read(), time.monotonic() - started
+
+
+def _assert_openai_503(status: int, headers: dict[str, str], body: bytes) -> None:
+    assert status == 503, (status, body[:300])
+    assert headers.get("Content-Type", "").startswith("application/json"), headers
+    error = json.loads(body)["error"]
+    assert error["type"] == "server_error" and error["code"] == "service_unavailable"
+    assert int(headers["Retry-After"]) >= 1
+
+
+def _redis_pid(live: LiveServer) -> int:
+    return int(redis.Redis.from_url(live.redis_url).info("server")["process_id"])
+
+
+def test_a_stalled_redis_answers_every_tenant_in_parallel_with_503(hostile_live: LiveServer):
+    pid = _redis_pid(hostile_live)
+    os.kill(pid, signal.SIGSTOP)  # connections are accepted, nothing is answered
+    try:
+        started = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda tenant: _chat(hostile_live, tenant), ["calm-a", "calm-b", "bystander"]))
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for status, headers, body, _ in answers:
+        _assert_openai_503(status, headers, body)
+    # One after another (one shared thread) they would take three admission deadlines or more.
+    assert elapsed < 2 * ADMISSION_TIMEOUT_S, [round(seconds, 1) for *_, seconds in answers]
+
+
+class _Lock:
+    """Holds a database lock from another connection until released."""
+
+    def __init__(self, live: LiveServer, how: str) -> None:
+        self.url, self.how, self.live = live.env["DATABASE_URL"], how, live
+        self.ready, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._hold, daemon=True)
+
+    def __enter__(self) -> _Lock:
+        self.thread.start()
+        assert self.ready.wait(30), "could not take the lock"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        self.thread.join(30)
+
+    def _hold(self) -> None:
+        if self.url.startswith("sqlite:///"):
+            conn = sqlite3.connect(self.url.removeprefix("sqlite:///"), timeout=30, isolation_level=None)
+            if self.how == "unreadable":
+                # In WAL mode no lock keeps readers out while the server holds the file open: the
+                # keys' table goes away instead, and every read of it fails.
+                conn.execute("ALTER TABLE tenants_apikey RENAME TO test_apikey_away")
+                self.ready.set()
+                self.release.wait(120)
+                conn.execute("ALTER TABLE test_apikey_away RENAME TO tenants_apikey")
+            else:  # the one write lock of the file
+                conn.execute("BEGIN IMMEDIATE")
+                self.ready.set()
+                self.release.wait(120)
+                conn.rollback()
+            conn.close()
+            return
+        import psycopg
+
+        with psycopg.connect(self.url.replace("postgres://", "postgresql://", 1)) as conn:
+            if self.how == "unreadable":  # every read of the keys waits
+                conn.execute("LOCK TABLE tenants_apikey IN ACCESS EXCLUSIVE MODE")
+            else:  # the locked tenant's key row, as a long transaction elsewhere would hold it
+                prefix = self.live.keys["locked"].split("_")[0].removeprefix("sk-")
+                conn.execute("SELECT 1 FROM tenants_apikey WHERE prefix = %s FOR UPDATE", (prefix,))
+            self.ready.set()
+            self.release.wait(120)
+            conn.rollback()
+
+
+def test_a_locked_key_row_delays_neither_its_tenant_nor_another(hostile_live: LiveServer):
+    # "locked" has never been used: its first request is due a last_used write, which waited on
+    # the lock on the shared thread, and every other tenant's admission with it.
+    with _Lock(hostile_live, "write") as lock:
+        with ThreadPoolExecutor(2) as pool:
+            locked, calm = pool.map(lambda tenant: _chat(hostile_live, tenant), ["locked", "calm-a"])
+        assert not lock.release.is_set()
+        held = lock.thread.is_alive()
+    assert held
+    for status, _, body, seconds in (locked, calm):
+        assert status == 200, body[:300]
+        assert seconds < 15, "served only after the lock was given up"  # it is held until both answered
+    last_used = hostile_live.django(f"""
+        import time
+        from tenants.models import ApiKey
+        deadline = time.monotonic() + 30
+        while ApiKey.objects.get(tenant_id={hostile_live.tenant_ids['locked']}).last_used is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        result = ApiKey.objects.get(tenant_id={hostile_live.tenant_ids['locked']}).last_used is not None
+    """)
+    assert last_used, "the key's use is recorded once the lock is gone"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_database_that_cannot_be_read_is_a_503_in_the_openai_shape(hostile_live: LiveServer, stream: bool):
+    with _Lock(hostile_live, "unreadable"):
+        status, headers, body, seconds = _chat(hostile_live, "calm-b", stream=stream)
+    _assert_openai_503(status, headers, body)
+    assert seconds < ADMISSION_TIMEOUT_S + 10

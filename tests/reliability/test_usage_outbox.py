@@ -1,0 +1,168 @@
+"""No fault loses a bill (issue 24 item 6: "A failed usage write at the end of a request (a
+locked database) leaves the tokens unbilled").
+
+A generation's usage entries are journaled by its web process before the database sees them
+(tenants.ledger) and written by a writer that retries until the database takes them. Here
+the database refuses every write to the usage table (a trigger raises), the requests are
+served all the same, and their rows appear with the right tokens once writes work again;
+and a process killed with entries the database never took leaves its journal to the next
+process, which writes them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.live import ROOT, LiveServer
+
+pytestmark = pytest.mark.slow
+
+TENANT = "outbox"
+
+SQLITE_BLOCK = [
+    "CREATE TRIGGER test_block_insert BEFORE INSERT ON tenants_usagerecord BEGIN SELECT RAISE(ABORT, 'blocked'); END",
+    "CREATE TRIGGER test_block_update BEFORE UPDATE ON tenants_usagerecord BEGIN SELECT RAISE(ABORT, 'blocked'); END",
+]
+SQLITE_UNBLOCK = ["DROP TRIGGER test_block_insert", "DROP TRIGGER test_block_update"]
+POSTGRES_BLOCK = [
+    "CREATE FUNCTION test_block_usage() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'blocked'; END $$ LANGUAGE plpgsql",
+    "CREATE TRIGGER test_block_usage BEFORE INSERT OR UPDATE ON tenants_usagerecord "
+    "FOR EACH ROW EXECUTE FUNCTION test_block_usage()",
+]
+POSTGRES_UNBLOCK = ["DROP TRIGGER test_block_usage ON tenants_usagerecord", "DROP FUNCTION test_block_usage()"]
+
+BLOCKING = """
+from django.db import connection
+statements = {"sqlite": %(sqlite)r, "postgresql": %(postgres)r}[connection.vendor]
+with connection.cursor() as cursor:
+    for statement in statements:
+        cursor.execute(statement)
+result = True
+"""
+
+
+def block_usage_writes(run) -> None:
+    run(BLOCKING % {"sqlite": SQLITE_BLOCK, "postgres": POSTGRES_BLOCK})
+
+
+def unblock_usage_writes(run) -> None:
+    run(BLOCKING % {"sqlite": SQLITE_UNBLOCK, "postgres": POSTGRES_UNBLOCK})
+
+
+def _chat(live: LiveServer, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0}
+    request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {live.keys[TENANT]}",
+                                              "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _rows(live: LiveServer, request_ids: list[str], wait_s: float) -> dict[str, dict]:
+    return live.django(f"""
+        import time
+        from tenants.models import UsageRecord
+        deadline = time.monotonic() + {wait_s}
+        while True:
+            rows = {{r["request_id"]: r for r in UsageRecord.objects.filter(request_id__in={request_ids!r}, closed=True)
+                     .values("request_id", "prompt_tokens", "completion_tokens", "finish_reason")}}
+            if len(rows) == {len(request_ids)} or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        result = rows
+    """)
+
+
+def test_usage_the_database_refused_is_written_once_it_accepts_writes(hostile_live: LiveServer):
+    block_usage_writes(hostile_live.django)
+    try:
+        replies = [_chat(hostile_live, n) for n in (3, 7)]  # served while no usage row can be written
+        ids = [reply["id"] for reply in replies]
+        assert _rows(hostile_live, ids, wait_s=0) == {}
+    finally:
+        unblock_usage_writes(hostile_live.django)
+    rows = _rows(hostile_live, ids, wait_s=60)
+    assert rows == {reply["id"]: {"request_id": reply["id"], "prompt_tokens": reply["usage"]["prompt_tokens"],
+                                  "completion_tokens": reply["usage"]["completion_tokens"], "finish_reason": "length"}
+                    for reply in replies}
+
+
+# --- a journal outlives its process ----------------------------------------------------------
+
+_JOURNAL = """
+import django, json, sys, time
+django.setup()
+from tenants.ledger import UsageEntry, ledger
+tenant_id = int(sys.argv[1])
+common = dict(key="gen-1", tenant_id=tenant_id, lane=1, created="2030-01-15T10:00:00+00:00", request_id="gen-1")
+ledger().submit(UsageEntry(op="open", prompt_tokens=11, **common))
+ledger().submit(UsageEntry(op="close", prompt_tokens=11, completion_tokens=29, finish_reason="stop", **common))
+print(ledger().path, flush=True)
+time.sleep(600)
+"""
+
+_REPLAY = """
+import django, json, time
+django.setup()
+from tenants.ledger import ledger
+from tenants.models import UsageRecord
+deadline = time.monotonic() + 60
+while ledger().unapplied() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps(list(UsageRecord.objects.values("key", "prompt_tokens", "completion_tokens", "closed"))))
+"""
+
+
+def _python(code: str, env: dict, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _django(code: str, env: dict) -> object:
+    done = subprocess.run([sys.executable, "-c", "import django, json\ndjango.setup()\n" + textwrap.dedent(code)
+                           + "\nprint(json.dumps(result))"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_journal_left_by_a_killed_process_is_written_by_the_next_one(tmp_path: Path):
+    outbox = tmp_path / "outbox"
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_ENV"}
+    env.update(DJANGO_SETTINGS_MODULE="config.settings", DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
+               USAGE_OUTBOX_DIR=str(outbox), REDIS_URL="redis://127.0.0.1:1/0")
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=300)
+    tenant_id = _django("""
+        from tenants import actions
+        from tenants.models import QuotaTier
+        result = actions.create_tenant("journal", QuotaTier.objects.get(name="standard")).pk
+    """, env)
+    block_usage_writes(lambda code: _django(code, env))
+
+    writer = _python(_JOURNAL, env, str(tenant_id))
+    try:
+        journal = Path(writer.stdout.readline().strip())
+        assert journal.parent == outbox
+        lines = journal.read_text().splitlines()
+        assert [json.loads(line).get("op") for line in lines[1:]] == ["open", "close"]
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+
+    unblock_usage_writes(lambda code: _django(code, env))
+    replay = _python(_REPLAY, env)
+    out, err = replay.communicate(timeout=120)
+    assert replay.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == [
+        {"key": "gen-1", "prompt_tokens": 11, "completion_tokens": 29, "closed": True}]
+    assert not journal.exists(), "a replayed journal is removed"

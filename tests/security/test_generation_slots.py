@@ -1,0 +1,90 @@
+"""Every generation holds its tenant's concurrent-generation slots, streamed or not, one per
+choice (issue 24 item 4: "12 parallel non-streamed requests under a limit of 8 all ran;
+`n` counts as one slot (8 streams with n=16 filled the engine's 64 sequences from one
+tenant)").
+
+The tenant "slots" has 8 slots (tests/isolation_env.py). Streams that are admitted and still
+generating hold slots the test can see (their `: ok` comment has arrived); every further
+request is then refused with 429 `streams`, whatever its transport.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from tenants.limits import Limiter
+from tests.live import LiveServer
+from tests.serving.rawsse import OPENAI_CHAT, Comment, SocketStream, chat_body
+
+pytestmark = pytest.mark.slow
+
+TENANT = "slots"
+SLOTS = 8
+LONG = 500  # tokens (the tier's most): the held streams outlive the test's short requests
+
+
+def _post(live: LiveServer, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {live.keys[TENANT]}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _hold(live: LiveServer, n: int = 1) -> SocketStream:
+    """A streamed chat of `n` choices, admitted and generating (its slots are held)."""
+    stream = SocketStream(live.url, OPENAI_CHAT, live.keys[TENANT], chat_body(LONG, stream=True, n=n))
+    assert stream.next() == Comment("ok"), (stream.wire.status, stream.wire.body)
+    return stream
+
+
+def _slots_held(live: LiveServer) -> int:
+    return Limiter(redis.Redis.from_url(live.redis_url)).leases_held(f"tenant:{live.tenant_ids[TENANT]}", "streams")
+
+
+@pytest.fixture
+def no_slots_held(hostile_live: LiveServer) -> LiveServer:
+    """Start with every slot free (the last test's streams are released as their sockets close)."""
+    deadline = time.monotonic() + 30
+    while _slots_held(hostile_live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _slots_held(hostile_live) == 0
+    return hostile_live
+
+
+def test_plain_json_requests_take_slots_like_streams(no_slots_held: LiveServer):
+    live = no_slots_held
+    held = [_hold(live) for _ in range(SLOTS)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _post(live, chat_body(4)), range(4)))
+        assert [status for status, _ in answers] == [429] * 4, answers
+        assert all(body["error"]["type"] == "streams" for _, body in answers)
+    finally:
+        for stream in held:
+            stream.close()
+
+
+def test_each_choice_takes_a_slot(no_slots_held: LiveServer):
+    live = no_slots_held
+    held = [_hold(live, n=3), _hold(live, n=3)]
+    try:
+        assert _slots_held(live) == 6
+        status, body = _post(live, chat_body(4, n=3))  # 6 + 3 > 8
+        assert status == 429 and body["error"]["type"] == "streams", body
+        status, body = _post(live, chat_body(4, n=2))  # 6 + 2 fits
+        assert status == 200 and len(body["choices"]) == 2, body
+        status, body = _post(live, chat_body(4, n=SLOTS + 1))  # can never fit: say so
+        assert status == 400 and (body["error"]["code"], body["error"]["param"]) == ("too_many_choices", "n"), body
+    finally:
+        for stream in held:
+            stream.close()
