@@ -217,7 +217,7 @@ class Generation:
         if self.hold_lease:
             await self._open_lease()
             self._renewer = asyncio.create_task(self._renew_lease(self._lease))
-        salt = f"tenant:{self.tenant.pk}" if tier.isolate_prefix_cache else None
+        salt = f"tier:{tier.pk}" if tier.share_prefix_cache else f"tenant:{self.tenant.pk}"
         for p, token_ids in enumerate(self.prompt_token_ids):
             for j in range(request.n):
                 index = len(self.choices)
