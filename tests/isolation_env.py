@@ -15,6 +15,8 @@ TIERS: dict[str, dict] = {
     # tests/security/test_input_bounds.py: a tier whose own max_tokens lets n x max_tokens reach
     # the request bound (MAX_REQUEST_TOKENS) before the tier's limit does.
     "bounds-wide": {"lane": 1, **{**BIG, "max_tokens_per_request": 8192}},
+    # tests/security/test_prefix_cache_isolation.py: a tier whose tenants share their prefix cache.
+    "cache-sharing": {"lane": 1, **BIG, "share_prefix_cache": True},
 }
 
 # tenant name -> tier name
@@ -29,6 +31,11 @@ TENANTS: dict[str, str] = {
     "uploads-acme": "hostile-p2",
     # tests/reliability/test_connection_burst.py: 400 concurrent streams, under its 1000 slots
     "burst": "hostile-p1",
+    # tests/security/test_prefix_cache_isolation.py: a pair on a default tier, a pair on a sharing one
+    "cache-a": "hostile-p1",
+    "cache-b": "hostile-p1",
+    "cache-sharing-a": "cache-sharing",
+    "cache-sharing-b": "cache-sharing",
 }
 
 # Settings of the live server (environment variables).
