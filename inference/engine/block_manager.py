@@ -38,7 +38,7 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
 class CachedPrefix:
     blocks: tuple[int, ...]
     hashes: tuple[bytes, ...]
-    num_known_blocks: int = 0  # leading blocks the sequence's tenant has had computed before
+    num_known_blocks: int = 0  # leading blocks the sequence's tenant had before (computed or was served)
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size
