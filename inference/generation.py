@@ -241,7 +241,7 @@ class Generation:
             raise ApiError(503, "The service is temporarily unavailable.", type="server_error",
                            code="service_unavailable", headers={"Retry-After": "5"}) from None
         self._journaled = True
-        salt = f"tenant:{self.tenant.pk}" if tier.isolate_prefix_cache else None
+        salt = f"tier:{tier.pk}" if tier.share_prefix_cache else f"tenant:{self.tenant.pk}"
         for p, token_ids in enumerate(self.prompt_token_ids):
             for j in range(request.n):
                 index = len(self.choices)

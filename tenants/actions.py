@@ -44,7 +44,7 @@ def save_tier(
     max_tokens_per_request: int,
     monthly_token_budget: int,
     allow_batch: bool = False,
-    isolate_prefix_cache: bool = False,
+    share_prefix_cache: bool = False,
 ) -> tuple[QuotaTier, bool]:
     """Create the tier or update it in place; returns (tier, created)."""
     return QuotaTier.objects.update_or_create(
@@ -57,7 +57,7 @@ def save_tier(
             "max_tokens_per_request": max_tokens_per_request,
             "monthly_token_budget": monthly_token_budget,
             "allow_batch": allow_batch,
-            "isolate_prefix_cache": isolate_prefix_cache,
+            "share_prefix_cache": share_prefix_cache,
         },
     )
 

@@ -32,7 +32,7 @@ def _adopt(obj: Any, saved: Any) -> None:
 class QuotaTierAdmin(NoDeleteAdmin):
     list_display = [
         "name", "lane", "requests_per_minute", "tokens_per_minute", "concurrent_streams",
-        "max_tokens_per_request", "monthly_token_budget", "allow_batch", "isolate_prefix_cache",
+        "max_tokens_per_request", "monthly_token_budget", "allow_batch", "share_prefix_cache",
     ]
 
     def get_readonly_fields(self, request: HttpRequest, obj: QuotaTier | None = None) -> list[str]:

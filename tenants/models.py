@@ -27,8 +27,11 @@ class QuotaTier(models.Model):
     max_tokens_per_request = models.PositiveIntegerField()
     monthly_token_budget = models.PositiveBigIntegerField()
     allow_batch = models.BooleanField(default=False, help_text="May submit Batch API jobs.")
-    isolate_prefix_cache = models.BooleanField(
-        default=False, help_text="Cached prompt prefixes are never shared with other tenants."
+    share_prefix_cache = models.BooleanField(
+        default=False,
+        help_text="The tier's tenants reuse each other's cached prompt prefixes, which saves prefill compute. "
+        "Only for tenants that trust each other: cached_tokens never reveals another tenant's prompt, "
+        "but a faster first token can. Off: each tenant's cache is its own.",
     )
 
     class Meta:

@@ -21,7 +21,8 @@ TIERS: dict[str, dict] = {
     "budget-100": {"lane": 1, **{**BIG, "monthly_token_budget": 100}},
     # tests/security/test_socket_reauth.py: a tier of its own to change under an open socket
     "reauth-tier": {"lane": 1, **BIG},
-    # tests/security/test_websocket_limits.py: two sockets per key (WS_MAX_SOCKETS_PER_KEY below)
+    # tests/security/test_prefix_cache_isolation.py: a tier whose tenants share their prefix cache.
+    "cache-sharing": {"lane": 1, **BIG, "share_prefix_cache": True},
 }
 
 # tenant name -> tier name
@@ -56,6 +57,11 @@ TENANTS: dict[str, str] = {
     "locked": "hostile-p1",
     "calm-a": "hostile-p1",
     "calm-b": "hostile-p1",
+    # tests/security/test_prefix_cache_isolation.py: a pair on a default tier, a pair on a sharing one
+    "cache-a": "hostile-p1",
+    "cache-b": "hostile-p1",
+    "cache-sharing-a": "cache-sharing",
+    "cache-sharing-b": "cache-sharing",
 }
 
 # Settings of the live server (environment variables).

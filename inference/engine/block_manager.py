@@ -6,6 +6,11 @@ so another sequence with the same prefix (and the same salt) can share it instea
 of recomputing. Unreferenced keyed blocks stay readable until the pool needs them
 back, least recently used first.
 
+Each cached block also remembers the tenants that have had its tokens computed for them
+(the tenant that entered it, and each tenant a hit later served it to). A hit reports
+to a tenant only the leading blocks it has had before: sharing a block saves another
+tenant the compute, but its cached-token count must not tell it what someone else sent.
+
 "Not enough blocks" is an ordinary answer (False), never an exception: the
 scheduler decides what to do about it.
 """
@@ -33,9 +38,14 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
 class CachedPrefix:
     blocks: tuple[int, ...]
     hashes: tuple[bytes, ...]
+    num_known_blocks: int = 0  # leading blocks the sequence's tenant had before (computed or was served)
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size
+
+    def num_known_tokens(self, block_size: int) -> int:
+        """The hit a tenant may be told of: the rest of it would confirm another tenant's prompt."""
+        return self.num_known_blocks * block_size
 
 
 NO_PREFIX = CachedPrefix((), ())
@@ -74,6 +84,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        self.known_to: dict[int, set[str | None]] = {}  # cached block -> tenants that have had its tokens
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, holding nothing reusable
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, keyed, least recently used first
 
@@ -106,6 +117,7 @@ class BlockManager:
             return NO_PREFIX
         bs = self.block_size
         blocks, hashes = [], []
+        known = 0
         parent = None
         for i in range((seq.num_tokens - 1) // bs):
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
@@ -114,8 +126,10 @@ class BlockManager:
                 break
             blocks.append(block)
             hashes.append(key)
+            if known == i and seq.tenant_id in self.known_to[block]:
+                known += 1
             parent = key
-        return CachedPrefix(tuple(blocks), tuple(hashes))
+        return CachedPrefix(tuple(blocks), tuple(hashes), known)
 
     def commit_blocks(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Key every block of `seq` that is full within its first `num_tokens` tokens.
@@ -134,10 +148,16 @@ class BlockManager:
             key = block_hash(parent, token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
             seq.block_hashes.append(key)
             block = seq.block_table[i]
-            # A twin computed alongside may already own the key: keep the first one.
-            if self.enable_prefix_caching and key not in self.cached and self.block_hashes[block] is None:
+            if not self.enable_prefix_caching:
+                continue
+            # A twin computed alongside may already own the key: keep the first one, and let
+            # it count for this tenant too, which computed the same tokens itself.
+            if key in self.cached:
+                self.known_to[self.cached[key]].add(seq.tenant_id)
+            elif self.block_hashes[block] is None:
                 self.cached[key] = block
                 self.block_hashes[block] = key
+                self.known_to[block] = {seq.tenant_id}
                 entered.append(block)
         return entered
 
@@ -148,11 +168,9 @@ class BlockManager:
     def forget(self, blocks) -> None:
         """Take blocks out of the prefix cache: their contents were never computed (a failed step)."""
         for block in blocks:
-            key = self.block_hashes[block]
-            if key is None:
+            if self.block_hashes[block] is None:
                 continue
-            del self.cached[key]
-            self.block_hashes[block] = None
+            self._unkey(block)
             if block in self._evictable:
                 del self._evictable[block]
                 self._free.append(block)
@@ -183,6 +201,8 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
             self.ref_counts[block] += 1
+            # Served to this tenant now: its next hit on the block is one it may be told of.
+            self.known_to[block].add(seq.tenant_id)
         seq.block_table.extend(prefix.blocks)
         seq.block_hashes.extend(prefix.hashes)
         total = seq.num_computed_tokens + prefix.num_tokens(self.block_size) + num_new_tokens
@@ -195,10 +215,14 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self.cached[self.block_hashes[block]]
-            self.block_hashes[block] = None
+            self._unkey(block)
         self.ref_counts[block] = 1
         return block
+
+    def _unkey(self, block: int) -> None:
+        del self.cached[self.block_hashes[block]]
+        del self.known_to[block]
+        self.block_hashes[block] = None
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its tail goes back first, so the shared head
@@ -252,8 +276,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. after weights change)."""
         for block in list(self._evictable):
-            del self.cached[self.block_hashes[block]]
-            self.block_hashes[block] = None
+            self._unkey(block)
             self._free.append(block)
         self._evictable.clear()
 
@@ -278,6 +301,8 @@ class BlockManager:
         for key, block in self.cached.items():
             if self.block_hashes[block] != key:
                 raise AssertionError("prefix cache map disagrees with block keys")
+        if self.known_to.keys() != set(self.cached.values()):
+            raise AssertionError("a cached block without its tenants, or tenants of an uncached block")
         swapped = [b for seq in seqs for b in seq.swap_table]
         if len(set(swapped)) != len(swapped) or set(swapped) & set(self.swap._free):
             raise AssertionError("a swap block is owned twice, or owned and free")

@@ -401,7 +401,8 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
-            seq.num_cached_tokens = cached
+            # What the tenant is told (usage.cached_tokens); the hit itself may be larger.
+            seq.num_cached_tokens = prefix.num_known_tokens(bm.block_size)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._take(step, ScheduledSeq(seq, cached, num_new))

@@ -140,7 +140,7 @@ class Sequence:
     seq_no: int = 0  # admission order, the tie-breaker between equal arrival times
     token_ids: list[int] = field(init=False)  # prompt then output
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission that its tenant had before
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this sequence's full, computed blocks
     swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out

@@ -39,8 +39,9 @@ def compute_all(bm: BlockManager, seq) -> None:
     bm.commit_computed(seq)
 
 
-def admitted_and_computed(bm: BlockManager, request_id: str, tokens: list[int], salt: str | None = None):
-    seq = make_seq(request_id, tokens, salt)
+def admitted_and_computed(bm: BlockManager, request_id: str, tokens: list[int], salt: str | None = None,
+                          tenant: str | None = None):
+    seq = make_seq(request_id, tokens, salt, tenant=tenant)
     assert admit(bm, seq)
     compute_all(bm, seq)
     return seq
@@ -277,23 +278,98 @@ def test_disabled_prefix_caching_keys_nothing():
 
 
 def test_twins_computed_together_keep_one_cached_block(bm):
-    a = make_seq("a", list(range(9)))
-    b = make_seq("b", list(range(9)))
+    a = make_seq("a", list(range(9)), tenant="A")
+    b = make_seq("b", list(range(9)), tenant="B")
     assert admit(bm, a) and admit(bm, b)  # neither is computed yet: no hit
     compute_all(bm, a)
     compute_all(bm, b)
     assert bm.num_cached_blocks == 2
     assert set(bm.cached.values()) == set(a.block_table[:2])
     assert b.block_hashes == a.block_hashes
+    # The block is A's, but B computed the same tokens itself: each is told of its hit.
+    assert reported(bm, list(range(9)), "A") == reported(bm, list(range(9)), "B") == 8
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == NUM_BLOCKS
     bm.check_invariants([])
 
 
+# -- what a hit tells a tenant ----------------------------------------------------------------
+# Tenants of a tier that shares its cache have one salt: they reuse each other's blocks, but
+# a tenant's cached count (usage.cached_tokens) covers only the blocks it had before.
+
+
+def reported(bm: BlockManager, tokens: list[int], tenant: str) -> int:
+    return bm.find_cached_prefix(make_seq("probe", tokens, tenant=tenant)).num_known_tokens(BS)
+
+
+def test_another_tenants_blocks_are_reused_but_not_reported(bm):
+    secret = list(range(9))
+    a = admitted_and_computed(bm, "a", secret, tenant="A")
+    assert a.block_table == [0, 1, 2]
+
+    b = make_seq("b", secret, tenant="B")
+    prefix = bm.find_cached_prefix(b)
+    assert prefix.blocks == (0, 1)  # B computes only its last token...
+    assert prefix.num_known_tokens(BS) == 0  # ...and is told of no hit
+    assert admit(bm, b)
+    assert b.block_table == [0, 1, 3]
+    assert b.num_computed_tokens == 8
+    assert bm.ref_counts[:4] == [2, 2, 1, 1]
+    assert reported(bm, secret, "A") == 8  # A's own hit counts
+    bm.check_invariants([a, b])
+
+
+def test_a_repeat_reports_the_same_whether_the_first_guess_hit_another_tenant_or_not(bm):
+    """B cannot confirm a guess by sending it twice: its second request is told of the blocks
+    its first one was served, whoever computed them."""
+    secret, wrong = list(range(9)), [5] * 9
+    a = admitted_and_computed(bm, "a", secret, tenant="A")
+    answers = {}
+    for name, guess in (("right", secret), ("wrong", wrong)):
+        told_first = reported(bm, guess, "B")
+        first = admitted_and_computed(bm, f"b-{name}", guess, tenant="B")
+        answers[name] = (told_first, reported(bm, guess, "B"))
+        bm.check_invariants([a, first])
+        bm.free(first)
+    assert answers["right"] == answers["wrong"] == (0, 8)
+    assert reported(bm, secret, "A") == 8
+
+
+def test_reporting_stops_at_the_first_block_the_tenant_has_not_had(bm):
+    a = admitted_and_computed(bm, "a", list(range(9)), tenant="A")  # keys blocks 0, 1
+    b = admitted_and_computed(bm, "b", list(range(13)), tenant="B")  # reuses 0, 1; keys block 3
+    assert b.block_table == [0, 1, 3, 4]
+    probe = make_seq("probe", list(range(13)), tenant="A")
+    prefix = bm.find_cached_prefix(probe)
+    assert prefix.blocks == (0, 1, 3)
+    assert prefix.num_known_tokens(BS) == 8
+    assert reported(bm, list(range(13)), "B") == 12  # served 0 and 1 before, computed 3 itself
+    bm.check_invariants([a, b])
+
+
+def test_an_evicted_block_entered_again_belongs_to_its_new_tenant(bm):
+    tokens = [1] * 9
+    a = admitted_and_computed(bm, "a", tokens, tenant="A")
+    bm.free(a)
+    hog = make_seq("hog", [3] * 32, tenant="H")
+    assert bm.allocate(hog, 32)  # the whole pool: blocks 1 and 0 are evicted last
+    assert hog.block_table == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert bm.num_cached_blocks == 0
+    bm.free(hog)
+
+    b = admitted_and_computed(bm, "b", tokens, tenant="B")
+    assert b.block_table == [0, 1, 2]  # A's old blocks, holding the same tokens again
+    assert bm.find_cached_prefix(make_seq("probe", tokens, tenant="A")).blocks == (0, 1)
+    assert reported(bm, tokens, "A") == 0
+    assert reported(bm, tokens, "B") == 8
+    bm.check_invariants([b])
+
+
 # -- random interleavings ---------------------------------------------------------------------
 
 ALPHABET = st.integers(0, 2)  # three token ids: prefixes collide all the time
+TENANTS = st.sampled_from(["A", "B"])
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
@@ -301,7 +377,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     A shadow of every slot records which (salt, token prefix) its keys and values
     were computed from, so sharing a block between sequences whose prefixes differ
-    would show up as a wrong slot, not only as bad bookkeeping.
+    would show up as a wrong slot, not only as bad bookkeeping. Another records the
+    blocks each tenant has had (computed or been served), so a hit that told a tenant
+    of a block it never had would show up too.
     """
 
     def __init__(self):
@@ -309,6 +387,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_BLOCKS, BS)
         self.live = []
         self.slots: dict[int, tuple] = {}  # slot -> (salt, token prefix ending at that slot's token)
+        self.had: set[tuple] = set()  # (tenant, salt, token prefix ending a full block)
         self.n = 0
 
     def _write(self, seq, start: int, end: int) -> None:
@@ -317,13 +396,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert self.bm.ref_counts[block] == 1, "a sequence wrote into a block another one reads"
             self.slots[block * BS + p % BS] = (seq.cache_salt, tuple(seq.token_ids[: p + 1]))
 
-    @rule(tokens=st.lists(ALPHABET, min_size=1, max_size=14), salt=st.sampled_from([None, None, "t"]))
-    def admit(self, tokens, salt):
-        seq = make_seq(f"s{self.n}", tokens, salt)
+    def _had(self, seq) -> None:
+        for i in range(seq.num_computed_tokens // BS):
+            self.had.add((seq.tenant_id, seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS])))
+
+    @rule(tokens=st.lists(ALPHABET, min_size=1, max_size=14), salt=st.sampled_from([None, None, "t"]),
+          tenant=TENANTS)
+    def admit(self, tokens, salt, tenant):
+        seq = make_seq(f"s{self.n}", tokens, salt, tenant=tenant)
         self.n += 1
         before = (self.bm.num_free_blocks, list(self.bm.ref_counts), dict(self.bm.cached))
         if admit(self.bm, seq):
             self.live.append(seq)
+            self._had(seq)
         else:
             assert seq.block_table == []
             assert (self.bm.num_free_blocks, list(self.bm.ref_counts), dict(self.bm.cached)) == before
@@ -334,6 +419,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         seq = self.live[i % len(self.live)]
         self._write(seq, seq.num_computed_tokens, seq.num_tokens)
         compute_all(self.bm, seq)
+        self._had(seq)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), tokens=st.lists(ALPHABET, min_size=1, max_size=6))
@@ -354,11 +440,24 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.bm.free(seq)
         assert seq.block_table == []
 
-    @rule(tokens=st.lists(ALPHABET, min_size=1, max_size=14), salt=st.sampled_from([None, "t"]))
-    def find_cached_prefix(self, tokens, salt):
-        seq = make_seq("probe", tokens, salt)
+    @rule(tokens=st.lists(ALPHABET, min_size=1, max_size=14), salt=st.sampled_from([None, "t"]), tenant=TENANTS)
+    def find_cached_prefix(self, tokens, salt, tenant):
+        self._probe(tokens, salt, tenant)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), tenant=TENANTS)
+    def find_a_live_prompt(self, i, tenant):
+        # Random probes rarely repeat a cached prompt; another tenant's guess of one does.
+        seq = self.live[i % len(self.live)]
+        self._probe(list(seq.token_ids), seq.cache_salt, tenant)
+
+    def _probe(self, tokens, salt, tenant):
+        seq = make_seq("probe", tokens, salt, tenant=tenant)
         prefix = self.bm.find_cached_prefix(seq)
         assert prefix.num_tokens(BS) <= len(tokens) - 1
+        assert prefix.num_known_blocks <= len(prefix.blocks)
+        for i in range(prefix.num_known_blocks):
+            assert (tenant, salt, tuple(tokens[: (i + 1) * BS])) in self.had, "told of a block it never had"
         for i, (block, key) in enumerate(zip(prefix.blocks, prefix.hashes)):
             assert self.bm.cached[key] == block
             for p in range(i * BS, (i + 1) * BS):

@@ -212,6 +212,28 @@ def test_different_cache_salts_share_no_block():
     assert engine.stats()["prefix_hit_tokens"] == 32
 
 
+def test_a_shared_salt_reuses_another_tenants_blocks_without_reporting_them():
+    """Tenants of a sharing tier have one salt. B's guess of A's prompt reuses A's blocks
+    (the prefill saved), yet B is told of no hit, and a right guess sent twice is told the
+    same as a wrong one: cached_tokens cannot confirm A's prompt."""
+    secret, wrong = random_prompts(2, seed=15, min_len=40, max_len=40)
+    engine = tiny_engine(num_blocks=64, block_size=16, max_num_batched_tokens=64)
+
+    def send(request_id: str, prompt: list[int], tenant: str) -> tuple[int, int]:
+        hits = engine.stats()["prefix_hit_tokens"]
+        engine.add_request(request_id, prompt, greedy(2), cache_salt="shared-tier", tenant_id=tenant)
+        told = run_to_completion(engine)[request_id][-1].num_cached_tokens
+        return told, engine.stats()["prefix_hit_tokens"] - hits
+
+    assert send("a", secret, "A") == (0, 0)
+    assert send("b-right", secret, "B") == (0, 32)  # reused, not reported
+    assert send("b-right-again", secret, "B") == (32, 32)
+    assert send("b-wrong", wrong, "B") == (0, 0)
+    assert send("b-wrong-again", wrong, "B") == (32, 32)
+    assert send("a-again", secret, "A") == (32, 32)
+    engine.block_manager.check_invariants([])
+
+
 # -- abort ------------------------------------------------------------------------------------
 
 

@@ -96,7 +96,8 @@ def tiny_engine(
     return LLMEngine(config, model=tiny_model(), clock=clock or ManualClock())
 
 
-def make_seq(request_id: str, token_ids: list[int], salt: str | None = None, max_tokens: int = 16) -> Sequence:
+def make_seq(request_id: str, token_ids: list[int], salt: str | None = None, max_tokens: int = 16,
+             tenant: str | None = None) -> Sequence:
     """A bare sequence, for block-manager tests that need no engine."""
     return Sequence(
         request_id=request_id,
@@ -104,6 +105,7 @@ def make_seq(request_id: str, token_ids: list[int], salt: str | None = None, max
         params=SamplingParams(max_tokens=max_tokens),
         arrival_time=0.0,
         cache_salt=salt,
+        tenant_id=tenant,
     )
 
 

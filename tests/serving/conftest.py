@@ -14,7 +14,6 @@ TIERS = {
     "live-p0": {"lane": 0, **BIG},
     "live-p1": {"lane": 1, **BIG},
     "live-p2": {"lane": 2, **BIG, "allow_batch": True},
-    "live-isolated": {"lane": 1, **BIG, "isolate_prefix_cache": True},
     # A tier that runs out: 3 requests/min, 2 concurrent streams, 64 tokens per request.
     "live-tight": {"lane": 1, "requests_per_minute": 3, "tokens_per_minute": 100_000, "concurrent_streams": 2,
                    "max_tokens_per_request": 64, "monthly_token_budget": 10**9},
@@ -46,8 +45,8 @@ TENANTS = {
     # test_operator.py, test_schema.py
     "ops": "live-p1",
     "fuzz": "live-fuzz",
-    "iso-a": "live-isolated",
-    "iso-b": "live-isolated",
+    "iso-a": "live-p1",  # isolation is every tier's default
+    "iso-b": "live-p1",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.

@@ -1,7 +1,8 @@
 """Operator endpoints on the live server: /api/v1/engine/stats and /metrics, and prefix-cache
 isolation between tenants seen through the API's usage.
 
-Tenants: "ops" (an ordinary key), "iso-a" and "iso-b" (a tier with isolate_prefix_cache).
+Tenants: "ops" (an ordinary key), "iso-a" and "iso-b" (an ordinary tier: their prefix caches are
+their own, as every tier's are unless it shares).
 """
 from __future__ import annotations
 
@@ -190,9 +191,9 @@ def test_isolated_tenants_do_not_share_prefix_cache(live: LiveServer):
     assert other_again >= prompt_tokens - block_size
 
 
-def test_shared_tier_reuses_prefix_cache_across_requests(live: LiveServer):
+def test_a_tenant_reuses_its_own_prefix_cache_across_requests(live: LiveServer):
     words = " ".join(f"part-{i}" for i in range(150))
-    prompt = f"A different long list for the shared tier: {words}. Which part comes last?"
+    prompt = f"A different long list for one tenant: {words}. Which part comes last?"
     first, prompt_tokens = cached_tokens(live, "ops", prompt)
     again, _ = cached_tokens(live, "ops", prompt)
     assert first < again

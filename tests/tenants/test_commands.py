@@ -45,11 +45,17 @@ def test_issue_key_prints_another_working_key_last(capsys, client_for):
 def test_create_tier_creates_then_updates(capsys):
     args = ["--lane", "0", "--rpm", "5", "--tpm", "100", "--concurrency", "1", "--max-tokens", "10",
             "--monthly-tokens", "1000"]
-    call_command("create_tier", "gold", *args, "--batch", "--isolate-cache")
+    call_command("create_tier", "gold", *args, "--batch", "--share-prefix-cache")
     assert "Created" in last_line(capsys)
     gold = QuotaTier.objects.get(name="gold")
-    assert (gold.lane, gold.requests_per_minute, gold.allow_batch, gold.isolate_prefix_cache) == (0, 5, True, True)
+    assert (gold.lane, gold.requests_per_minute, gold.allow_batch, gold.share_prefix_cache) == (0, 5, True, True)
     call_command("create_tier", "gold", *args[:2], "--rpm", "50", *args[4:])
     assert "Updated" in last_line(capsys)
     gold.refresh_from_db()
-    assert (gold.requests_per_minute, gold.allow_batch, gold.isolate_prefix_cache) == (50, False, False)
+    assert (gold.requests_per_minute, gold.allow_batch, gold.share_prefix_cache) == (50, False, False)
+
+
+def test_seeded_and_new_tiers_keep_each_tenants_prefix_cache_its_own(capsys):
+    call_command("create_tier", "plain", "--lane", "1", "--rpm", "5", "--tpm", "100", "--concurrency", "1",
+                 "--max-tokens", "10", "--monthly-tokens", "1000")
+    assert not QuotaTier.objects.filter(share_prefix_cache=True).exists()

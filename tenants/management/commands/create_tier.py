@@ -18,7 +18,12 @@ class Command(BaseCommand):
         parser.add_argument("--max-tokens", type=int, required=True, help="max tokens per request")
         parser.add_argument("--monthly-tokens", type=int, required=True, help="monthly token budget")
         parser.add_argument("--batch", action="store_true", help="allow Batch API jobs")
-        parser.add_argument("--isolate-cache", action="store_true", help="never share cached prefixes")
+        parser.add_argument(
+            "--share-prefix-cache", action="store_true",
+            help="let the tier's tenants reuse each other's cached prompt prefixes (saves prefill compute; "
+            "a faster first token can reveal a co-tenant's prompt, so only for tenants that trust each other). "
+            "Without it each tenant's cache is its own",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         for flag in ("rpm", "tpm", "max_tokens"):
@@ -38,6 +43,6 @@ class Command(BaseCommand):
             max_tokens_per_request=options["max_tokens"],
             monthly_token_budget=options["monthly_tokens"],
             allow_batch=options["batch"],
-            isolate_prefix_cache=options["isolate_cache"],
+            share_prefix_cache=options["share_prefix_cache"],
         )
         self.stdout.write(f"{'Created' if created else 'Updated'} tier {tier}")

@@ -3,7 +3,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("tenants", "0002_seed_tiers")]
+    dependencies = [("tenants", "0003_share_prefix_cache")]
     operations = [
         migrations.AddField(
             model_name="usagerecord",
