@@ -84,7 +84,8 @@ class StreamOptions(serializers.Serializer):
 
 class _Sampling(serializers.Serializer):
     model = serializers.CharField(required=False, help_text="The served model's id (GET /v1/models).")
-    n = serializers.IntegerField(required=False, min_value=1, max_value=protocol.MAX_N)
+    n = serializers.IntegerField(required=False, min_value=1, max_value=protocol.MAX_N,
+                                 help_text="Each choice takes one of the tier's concurrent generations.")
     max_tokens = serializers.IntegerField(
         required=False, min_value=1, max_value=MAX_TOKENS,
         help_text=f"n x max_tokens (x prompts) at most {settings.MAX_REQUEST_TOKENS}.",
@@ -200,11 +201,13 @@ def _errors(*statuses: int) -> dict:
     described = {
         400: "Invalid request (OpenAI error shape; `param` names the field)",
         401: "Missing or invalid API key",
-        403: "Priority above the tier's lane",
+        403: "Priority above the tier's lane, or a limit of the tier set to 0 (`limit_is_zero`)",
         404: "Unknown model",
         413: "Body over MAX_REQUEST_BYTES, or prompt text over MAX_PROMPT_CHARS",
-        429: "Rate limit, monthly budget or lane capacity; see Retry-After",
-        503: "The model is loading or the engine is unavailable; see Retry-After",
+        429: ("Rate limit, concurrent generations (each choice takes one of the tier's), monthly budget "
+              "(used up, or `budget_reserved`: the rest is held by requests in flight) or lane capacity; "
+              "see Retry-After"),
+        503: "The model is loading, or the engine, the database or the limits store is unavailable; see Retry-After",
     }
     return {s: OpenApiResponse(Error, description=described[s]) for s in statuses}
 
@@ -305,6 +308,14 @@ def close_request_bodies(result: dict, generator, request, public) -> dict:
         for field in ("top_p", "repetition_penalty"):
             schemas[name]["properties"][field]["exclusiveMinimum"] = True
     schemas["ChatCompletionRequestRequest"]["properties"]["messages"].update(minItems=1, maxItems=settings.MAX_MESSAGES)
+    # WebSocket /ws/v1/chat has no OpenAPI operation; its bounds are published beside the others.
+    result.setdefault("info", {})["x-websocket-bounds"] = {
+        "path": "/ws/v1/chat",
+        "max_message_bytes": settings.MAX_REQUEST_BYTES,
+        "max_messages_per_second": settings.WS_MAX_FRAMES_PER_S,  # bursts of twice as many; past it: close 4429
+        "max_sockets_per_key": settings.WS_MAX_SOCKETS_PER_KEY,  # past it: close 4429
+        "auth_recheck_s": settings.WS_AUTH_RECHECK_S,  # a revoked key's socket closes 4401 within this
+    }
     return result
 
 
