@@ -12,7 +12,8 @@ So a request never waits on the database to be admitted, a write the database re
 dies leaves its journal behind for the next process on the same database to replay.
 Writes are idempotent (`UsageRecord.key`), so a replayed or retried entry lands once.
 Entries of one key are applied in order; a key whose write keeps failing holds back only
-its own later entries, never other tenants'.
+its own later entries, never other tenants'. An entry refused for a whole day (its tenant
+deleted, say) moves to `dead-letter.jsonl` in the outbox folder, logged as an error.
 
 The journal is emptied whenever every entry in it has been applied, so it holds only what
 the database has not taken yet. It is fsync'ed before entries are applied: a power cut
@@ -51,6 +52,11 @@ RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 5.0
 # A key row locked by another transaction gets its last_used write a second later.
 TOUCH_RETRY_S = 1.0
+# An entry the database has refused for this long (its tenant deleted, a schema it cannot
+# take) moves to the outbox's dead-letter file for an operator, so that it stops retrying;
+# it is never dropped. A day is far past any outage the retries are for.
+DEAD_LETTER_AFTER_S = 24 * 3600
+DEAD_LETTER = "dead-letter.jsonl"
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ class _Pending:
     from_journal: Path | None = None  # an orphaned journal this entry was replayed from
     tries: int = 0
     not_before: float = 0.0
+    first_failure: float | None = None
 
 
 class Ledger:
@@ -234,15 +241,32 @@ class Ledger:
         try:
             actions.apply_usage(pending.entry)
         except Exception as exc:
-            pending.tries += 1
-            pending.not_before = time.monotonic() + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (pending.tries - 1))
-            log.warning("usage %s (%s): write failed (try %d), retrying: %s: %s", pending.entry.key, pending.entry.op,
-                        pending.tries, type(exc).__name__, exc)
             connection.close()  # the next try starts on a fresh connection (the server may have restarted)
+            now = time.monotonic()
+            pending.tries += 1
+            pending.first_failure = pending.first_failure or now
+            pending.not_before = now + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (pending.tries - 1))
+            if now - pending.first_failure >= DEAD_LETTER_AFTER_S:
+                self._dead_letter(pending, exc)
+                return True
+            if pending.tries <= 10 or pending.tries % 100 == 0:  # a long outage logs, but not every 5 s
+                log.warning("usage %s (%s): write failed (try %d), retrying: %s: %s", pending.entry.key,
+                            pending.entry.op, pending.tries, type(exc).__name__, exc)
             return False
         pending.future.set_result(None)
         self._applied(pending)
         return True
+
+    def _dead_letter(self, pending: _Pending, exc: Exception) -> None:
+        log.error("usage %s (%s): refused for %d tries since %.0f s ago, moved to %s: %s: %s", pending.entry.key,
+                  pending.entry.op, pending.tries, time.monotonic() - pending.first_failure,
+                  self.directory / DEAD_LETTER, type(exc).__name__, exc)
+        with (self.directory / DEAD_LETTER).open("a", encoding="utf-8") as dead:
+            dead.write(pending.entry.to_json() + "\n")
+            dead.flush()
+            os.fsync(dead.fileno())
+        pending.future.set_exception(exc)
+        self._applied(pending)
 
     def _applied(self, pending: _Pending) -> None:
         if pending.from_journal is not None:
