@@ -21,6 +21,12 @@ TIERS: dict[str, dict] = {
     "budget-100": {"lane": 1, **{**BIG, "monthly_token_budget": 100}},
     # tests/security/test_socket_reauth.py: a tier of its own to change under an open socket
     "reauth-tier": {"lane": 1, **BIG},
+    # tests/security/test_zero_limits.py: an operator set a limit to 0
+    "zero-rpm": {"lane": 1, **{**BIG, "requests_per_minute": 0}},
+    "zero-tpm": {"lane": 1, **{**BIG, "tokens_per_minute": 0}},
+    "zero-streams": {"lane": 1, **{**BIG, "concurrent_streams": 0}},
+    # tests/reliability/test_slots_after_redis_blip.py: one generation at a time
+    "one-slot": {"lane": 1, **{**BIG, "concurrent_streams": 1}},
     # tests/security/test_prefix_cache_isolation.py: a tier whose tenants share their prefix cache.
     "cache-sharing": {"lane": 1, **BIG, "share_prefix_cache": True},
 }
@@ -53,7 +59,13 @@ TENANTS: dict[str, str] = {
     "batch-billing": "hostile-p2",
     # tests/reliability/test_usage_outbox.py
     "outbox": "hostile-p1",
-    # tests/reliability/test_admission_isolation.py: the tenant whose key row is locked, and two more
+    # tests/security/test_zero_limits.py
+    "zero-rpm": "zero-rpm",
+    "zero-tpm": "zero-tpm",
+    "zero-streams": "zero-streams",
+    # tests/reliability/test_slots_after_redis_blip.py
+    "blip": "one-slot",
+    # tests/reliability/test_admission_isolation.py: the tenant whose key row is locked, and four more
     "locked": "hostile-p1",
     "calm-a": "hostile-p1",
     "calm-b": "hostile-p1",
@@ -80,4 +92,7 @@ ENV: dict[str, str] = {
     "WS_MAX_FRAMES_PER_S": "10",
     # tests/reliability/test_admission_isolation.py: a stuck admission answers 503 in seconds
     "ADMISSION_TIMEOUT_S": "4",
+    # tests/reliability/test_slots_after_redis_blip.py: slots (renewed every second) lapse after
+    # a 3 s Redis outage
+    "STREAM_LEASE_TTL_S": "3",
 }

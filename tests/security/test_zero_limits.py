@@ -1,0 +1,45 @@
+"""A limit an operator set to 0 refuses clearly (issue 24 item 10: "a limit set to 0 gives a
+500"): 403 `limit_is_zero` in the OpenAI shape, naming the limit, on the REST path and on the
+WebSocket, instead of a server error (or a 429 whose Retry-After would never come true)."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.live import LiveServer
+from tests.security.wsclient import bearer, connect, run, until_closed, ws_url
+
+pytestmark = pytest.mark.slow
+
+
+def _chat(live: LiveServer, tenant: str) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {live.keys[tenant]}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("tenant, field", [("zero-rpm", "requests_per_minute"), ("zero-tpm", "tokens_per_minute"),
+                                           ("zero-streams", "concurrent_streams")])
+def test_a_zero_limit_is_a_403_naming_it(hostile_live: LiveServer, tenant: str, field: str):
+    status, body = _chat(hostile_live, tenant)
+    assert status == 403, body
+    assert body["error"]["code"] == "limit_is_zero" and field in body["error"]["message"]
+
+
+def test_a_zero_request_limit_closes_the_websocket_with_4403(hostile_live: LiveServer):
+    async def scenario():
+        async with connect(ws_url(hostile_live), additional_headers=bearer(hostile_live.keys["zero-rpm"])) as ws:
+            return await until_closed(ws, 10)
+
+    messages, code = run(scenario())
+    assert code == 4403
+    assert messages[-1]["error"]["code"] == "limit_is_zero"
