@@ -283,6 +283,14 @@ class EngineStatsDoc(_Documented):
                 "requests_swapped": serializers.IntegerField(),
                 "requests_waiting": serializers.DictField(child=serializers.IntegerField()),
                 "preemptions": serializers.IntegerField(),
+                "streams": inline_serializer("StreamBuffers", {
+                    "open": serializers.IntegerField(help_text="Open SSE and WebSocket streams."),
+                    "buffered_bytes": serializers.IntegerField(
+                        help_text="Bytes written to them that their clients have not taken (server and kernel buffers)."),
+                    "buffered_bytes_max": serializers.IntegerField(help_text="The most one stream holds."),
+                    "stalled_disconnected": serializers.IntegerField(
+                        help_text="Clients disconnected since start for taking nothing for STREAM_STALL_S."),
+                }),
             }),
             401: OpenApiResponse(Error), 403: OpenApiResponse(Error),
         },
