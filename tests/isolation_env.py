@@ -15,6 +15,8 @@ TIERS: dict[str, dict] = {
     # tests/security/test_input_bounds.py: a tier whose own max_tokens lets n x max_tokens reach
     # the request bound (MAX_REQUEST_TOKENS) before the tier's limit does.
     "bounds-wide": {"lane": 1, **{**BIG, "max_tokens_per_request": 8192}},
+    # tests/reliability/test_stalled_readers.py: streams long enough that the server must cut them.
+    "stall-long": {"lane": 1, **{**BIG, "max_tokens_per_request": 2048}},
 }
 
 # tenant name -> tier name
@@ -29,6 +31,8 @@ TENANTS: dict[str, str] = {
     "uploads-acme": "hostile-p2",
     # tests/reliability/test_connection_burst.py: 400 concurrent streams, under its 1000 slots
     "burst": "hostile-p1",
+    # tests/reliability/test_stalled_readers.py
+    "stall": "stall-long",
 }
 
 # Settings of the live server (environment variables).
@@ -38,4 +42,11 @@ ENV: dict[str, str] = {
     # tests/security/test_input_bounds.py: under the live server's 256 KiB body limit, so a prompt
     # past it meets this bound rather than the body's.
     "MAX_PROMPT_CHARS": "65536",
+    # tests/reliability/test_stalled_readers.py: a stream stops writing at 8 KiB its client has not
+    # taken (~30 chat chunks) and is cut after 3 s of no progress, so a stalled client is cut within
+    # seconds. A client that reads keeps the kernel's queue near empty (8 KiB is 300 ms of a
+    # 100-token/s stream in flight), and one that pauses first fills its own receive buffer
+    # (128 KiB by default on Linux) before the server counts a byte.
+    "STREAM_MAX_BUFFERED_BYTES": str(8 * 1024),
+    "STREAM_STALL_S": "3",
 }
