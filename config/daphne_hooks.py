@@ -1,11 +1,13 @@
-"""Two hooks into daphne that the platform's API needs and daphne does not offer.
+"""Three hooks into daphne that the platform's API needs and daphne does not offer.
 
 1. `install_body_limit`: refuse request bodies over MAX_REQUEST_BYTES while they arrive.
 2. `allow_endpoint_close_codes`: let WebSocket consumers close with RFC 6455's 1008
    (policy violation), 1009 (message too big) and 1011 (server error).
+3. `install_stream_backpressure`: a stream's `send` waits while its client is not reading,
+   and a client that reads nothing for STREAM_STALL_S is disconnected.
 
-Both patch daphne's protocol classes in this process only; `config.asgi` installs them,
-so they apply exactly where daphne serves the application.
+All patch daphne's classes in this process only; `config.asgi` installs them, so they
+apply exactly where daphne serves the application.
 
 Body limit. Daphne (Twisted underneath) reads a whole request body into memory or a temporary file
 before the application sees a byte of it, then queues all of it for the application at
@@ -24,7 +26,19 @@ of the body is dropped unread. The consumers keep their own count as a second li
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import struct
+import time
+
+try:  # Linux: the kernel's count of bytes a socket sent that its peer has not acknowledged
+    import fcntl
+    from termios import TIOCOUTQ
+except ImportError:  # elsewhere only the server's own buffer counts
+    fcntl = TIOCOUTQ = None
+
+log = logging.getLogger(__name__)
 
 _state: dict = {"limit": None, "paths": {}}
 
@@ -117,3 +131,142 @@ def allow_endpoint_close_codes() -> None:
 
     WebSocketProtocol.serverClose = serverClose
     WebSocketProtocol._endpoint_codes_installed = True
+
+
+# Stream backpressure. Daphne's `send` writes into the Twisted transport and returns, whatever
+# the client reads: a client that stops reading keeps its generation running to max_tokens
+# while the transport's buffer grows. Its socket gives no sign before its buffers fill, and on
+# Linux those are large: a loopback socket whose peer reads nothing took 2.9 MB of 300-byte
+# writes before the first EAGAIN (the send buffer autotunes to tcp_wmem's 4 MiB), about 400 s
+# of one chat stream on a CPU (28 tokens/s, ~270 bytes an event). So what a stream holds is
+# counted as Twisted's buffer plus the kernel's unacknowledged send queue (TIOCOUTQ), both of
+# which a reading client empties within a round trip.
+#
+# Past STREAM_MAX_BUFFERED_BYTES a stream's `send` (an SSE body write that is not the last, or
+# a WebSocket frame) waits until its client has taken half of that; meanwhile the generation's
+# deltas merge into one event (`Generation.events`), so a slow reader loses nothing and gets
+# fewer, larger events. A client that takes nothing for STREAM_STALL_S (what its stream holds
+# does not shrink; a client's reads show when its kernel reopens its window, every 576 bytes
+# freed with the smallest receive buffer) is disconnected (abortConnection: a reset, which also
+# frees the kernel's buffers); daphne then tells the
+# application (http.disconnect / websocket.disconnect), whose close path aborts the generation,
+# frees its blocks and bills what it generated. Other responses (JSON, file downloads) never
+# wait: they end by themselves, and throttling them to a stream's cap would slow a large
+# download on a long link.
+_streams: dict = {"max_bytes": None, "stall_s": None, "server": None, "stalled": 0}
+# While a stream waits its buffer is polled, from every 50 ms after progress down to once a
+# second while none comes: a thousand stalled clients then cost ~1,000 wake-ups a second.
+DRAIN_POLL_S = (0.05, 1.0)
+
+
+def _socket_transport(transport):
+    """The TCP transport under any wrapping protocol (TLS), which owns the socket and the buffer."""
+    for _ in range(4):
+        if transport is None or hasattr(transport, "dataBuffer"):
+            return transport
+        transport = getattr(transport, "transport", None)
+    return None
+
+
+def buffered_bytes(transport) -> int:
+    """Bytes written to a connection that its client has not taken yet: Twisted's buffer plus
+    the kernel's send queue (sent but not acknowledged, or not sent for want of window)."""
+    tcp = _socket_transport(transport)
+    if tcp is None:
+        return 0
+    held = len(tcp.dataBuffer) - tcp.offset + tcp._tempDataLen
+    if TIOCOUTQ is not None and not tcp.disconnected:
+        try:
+            held += struct.unpack("i", fcntl.ioctl(tcp.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):  # closed meanwhile, or not a socket that keeps the count
+            pass
+    return held
+
+
+def _path(protocol) -> str:
+    path = getattr(protocol, "path", b"")
+    return path.decode("latin-1", "replace") if isinstance(path, bytes) else str(path)
+
+
+def _is_stream_write(protocol, message: dict) -> bool:
+    kind = message["type"]
+    if kind == "http.response.start":
+        content_type = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
+        protocol._is_stream = content_type.lower().startswith(b"text/event-stream")
+        return False
+    if kind == "http.response.body":
+        return bool(message.get("more_body")) and getattr(protocol, "_is_stream", False)
+    if kind == "websocket.send":
+        protocol._is_stream = True
+        return True
+    return False
+
+
+async def _wait_for_reader(protocol) -> None:
+    """Return once the client has taken enough of what its stream holds; disconnect it when it
+    takes nothing for STREAM_STALL_S."""
+    limit, stall_s = _streams["max_bytes"], _streams["stall_s"]
+    transport = getattr(protocol, "transport", None)
+    held = buffered_bytes(transport)
+    if held <= limit:
+        return
+    last, progress_at, pause = held, time.monotonic(), DRAIN_POLL_S[0]
+    while True:
+        await asyncio.sleep(pause)
+        tcp = _socket_transport(transport)
+        if tcp is None or tcp.disconnected or getattr(protocol, "_stalled", False):
+            return  # gone: daphne drops later writes and tells the application
+        held = buffered_bytes(transport)
+        if held <= limit // 2:
+            return
+        now = time.monotonic()
+        if held < last:
+            progress_at, pause = now, DRAIN_POLL_S[0]
+        elif now - progress_at >= stall_s:
+            protocol._stalled = True
+            _streams["stalled"] += 1
+            log.warning("stream %s: the client took nothing for %.0f s with %d bytes unsent; disconnecting it "
+                        "(STREAM_STALL_S)", _path(protocol), now - progress_at, held)
+            transport.abortConnection()
+            return
+        else:
+            pause = min(pause * 2, DRAIN_POLL_S[1])
+        last = held
+
+
+def install_stream_backpressure(max_bytes: int, stall_s: float) -> None:
+    """Hook daphne's ASGI `send` (once per process; a second call only changes the limits)."""
+    _streams["max_bytes"], _streams["stall_s"] = max_bytes, stall_s
+    from daphne.server import Server
+
+    if getattr(Server, "_backpressure_installed", False):
+        return
+    handle_reply = Server.handle_reply
+
+    async def handle_reply_then_wait(self, protocol, message):
+        _streams["server"] = self
+        if getattr(protocol, "_stalled", False):
+            # Aborted, and daphne learns it on the reactor's next turn: until then the application
+            # would still write, e.g. one event of every delta that piled up (47 KB in one run).
+            return
+        await handle_reply(self, protocol, message)
+        if _is_stream_write(protocol, message):
+            await _wait_for_reader(protocol)
+
+    Server.handle_reply = handle_reply_then_wait
+    Server._backpressure_installed = True
+
+
+def stream_buffers() -> dict:
+    """What this process holds for its open streams' clients (operators' stats): bytes not yet
+    taken in all and by the worst one, and how many clients were disconnected for stalling."""
+    server = _streams["server"]
+    held = []
+    if server is not None:
+        # Read from a view's thread while the reactor changes the dict: list() copies the keys
+        # in one step under the GIL; a connection closing meanwhile counts as 0.
+        for protocol in list(server.connections):
+            if getattr(protocol, "_is_stream", False):
+                held.append(buffered_bytes(getattr(protocol, "transport", None)))
+    return {"open": len(held), "buffered_bytes": sum(held), "buffered_bytes_max": max(held, default=0),
+            "stalled_disconnected": _streams["stalled"]}

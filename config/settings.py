@@ -219,6 +219,16 @@ MAX_REQUEST_BYTES = env.int("MAX_REQUEST_BYTES", default=1024 * 1024)
 # An SSE stream that has sent nothing for this long gets a `: heartbeat` comment, so
 # proxies and clients do not time out while a request waits in its lane.
 SSE_HEARTBEAT_S = env.float("SSE_HEARTBEAT_S", default=15.0)
+# A stream whose client has not taken this many bytes (daphne's buffer and the kernel's send
+# queue together) stops writing until it takes half; meanwhile its deltas merge into one event.
+# 64 KiB is Twisted's own high-water mark for pausing a producer, ~240 chat chunks of ~270 bytes:
+# far above what a reading client leaves in flight (a 100-token/s stream over a 300 ms round
+# trip has ~8 KiB unacknowledged), and a bound of 64 MiB on a thousand stalled clients.
+STREAM_MAX_BUFFERED_BYTES = env.int("STREAM_MAX_BUFFERED_BYTES", default=64 * 1024)
+# A stream over that cap whose client takes nothing for this long is disconnected: its
+# generation is aborted, its KV blocks freed and its tokens billed. 45 s is seed 000's zombie
+# purge, three of its 15 s heartbeats.
+STREAM_STALL_S = env.float("STREAM_STALL_S", default=45.0)
 # A WebSocket that does not authenticate (header or first message) within this long is closed.
 WS_AUTH_TIMEOUT_S = env.float("WS_AUTH_TIMEOUT_S", default=10.0)
 

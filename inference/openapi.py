@@ -213,9 +213,15 @@ def _errors(*statuses: int) -> dict:
 
 
 _GENERATION_ERRORS = _errors(400, 401, 403, 404, 413, 429, 503)
+_SLOW_READERS = (
+    "A client that reads slower than the stream gets the pending deltas merged into fewer events; one that "
+    "leaves STREAM_MAX_BUFFERED_BYTES unread and takes nothing for STREAM_STALL_S is disconnected, its "
+    "generation aborted and billed for the tokens generated."
+)
 _SSE = OpenApiResponse(
     OpenApiTypes.STR,
-    description="With `stream: true`: `text/event-stream` of `data: {chunk}` events, then `data: [DONE]`.",
+    description="With `stream: true`: `text/event-stream` of `data: {chunk}` events, then `data: [DONE]`. "
+                + _SLOW_READERS,
 )
 
 
@@ -255,7 +261,7 @@ class PlatformChatDoc(_Documented):
             "Takes the chat completions body. Answers `text/event-stream`: `event: token` with "
             "`{id, index, delta, tokens}` per delta, then `event: done` with `{status: \"[DONE]\", lane, "
             "finish_reasons, usage}`, or `event: error` with an OpenAI error. Every event has an `id:` "
-            "counting from 0. Idle streams get a `: heartbeat` comment every SSE_HEARTBEAT_S."
+            "counting from 0. Idle streams get a `: heartbeat` comment every SSE_HEARTBEAT_S. " + _SLOW_READERS
         ),
         parameters=[OpenApiParameter("X-Priority", int, OpenApiParameter.HEADER, enum=[0, 1, 2], required=False,
                                      description="Ask for a lane no better than the tier's.")],
@@ -286,6 +292,14 @@ class EngineStatsDoc(_Documented):
                 "requests_swapped": serializers.IntegerField(),
                 "requests_waiting": serializers.DictField(child=serializers.IntegerField()),
                 "preemptions": serializers.IntegerField(),
+                "streams": inline_serializer("StreamBuffers", {
+                    "open": serializers.IntegerField(help_text="Open SSE and WebSocket streams."),
+                    "buffered_bytes": serializers.IntegerField(
+                        help_text="Bytes written to them that their clients have not taken (server and kernel buffers)."),
+                    "buffered_bytes_max": serializers.IntegerField(help_text="The most one stream holds."),
+                    "stalled_disconnected": serializers.IntegerField(
+                        help_text="Clients disconnected since start for taking nothing for STREAM_STALL_S."),
+                }),
             }),
             401: OpenApiResponse(Error), 403: OpenApiResponse(Error),
         },

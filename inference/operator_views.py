@@ -12,6 +12,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
+from config.daphne_hooks import stream_buffers
 from inference.host import EngineUnavailable, host
 from inference.service_tokens import is_metrics_token, is_operator_token
 from tenants.errors import ApiError
@@ -75,6 +76,9 @@ def engine_stats_payload() -> dict:
         "aborted_requests": stats["aborted_requests"],
         "step_errors": stats.get("step_errors", 0),
         "restarts": stats.get("restarts", 0),
+        # Not the engine's, but what its streams cost this process: bytes their clients have
+        # not taken, and clients disconnected for taking nothing (STREAM_STALL_S).
+        "streams": stream_buffers(),
     }
 
 

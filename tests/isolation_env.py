@@ -29,6 +29,8 @@ TIERS: dict[str, dict] = {
     "one-slot": {"lane": 1, **{**BIG, "concurrent_streams": 1}},
     # tests/security/test_prefix_cache_isolation.py: a tier whose tenants share their prefix cache.
     "cache-sharing": {"lane": 1, **BIG, "share_prefix_cache": True},
+    # tests/reliability/test_stalled_readers.py: streams long enough that the server must cut them.
+    "stall-long": {"lane": 1, **{**BIG, "max_tokens_per_request": 2048}},
 }
 
 # tenant name -> tier name
@@ -76,6 +78,8 @@ TENANTS: dict[str, str] = {
     "cache-b": "hostile-p1",
     "cache-sharing-a": "cache-sharing",
     "cache-sharing-b": "cache-sharing",
+    # tests/reliability/test_stalled_readers.py
+    "stall": "stall-long",
 }
 
 # Settings of the live server (environment variables).
@@ -95,4 +99,11 @@ ENV: dict[str, str] = {
     # tests/reliability/test_slots_after_redis_blip.py: slots (renewed every second) lapse after
     # a 3 s Redis outage
     "STREAM_LEASE_TTL_S": "3",
+    # tests/reliability/test_stalled_readers.py: a stream stops writing at 8 KiB its client has not
+    # taken (~30 chat chunks) and is cut after 3 s of no progress, so a stalled client is cut within
+    # seconds. A client that reads keeps the kernel's queue near empty (8 KiB is 300 ms of a
+    # 100-token/s stream in flight), and one that pauses first fills its own receive buffer
+    # (128 KiB by default on Linux) before the server counts a byte.
+    "STREAM_MAX_BUFFERED_BYTES": str(8 * 1024),
+    "STREAM_STALL_S": "3",
 }
