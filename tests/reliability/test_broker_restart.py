@@ -14,9 +14,9 @@ needed a new connection pool, and `Channel._connparams` read
 it ended the worker. config/celery.py patches the channel (`_harden_kombu_redis_channel`).
 
 A real redis-server, killed and restarted empty, and a real `celery -A config worker`.
-Which of its connections the worker notices first is up to the kernel (the pidbox one in
-7 of 10 runs here), so the worker reaches Redis through a small TCP proxy, and the test
-drops the pidbox connection a moment before Redis dies. The unacknowledged messages are
+Which of its connections the worker notices first is up to the kernel (the pidbox one in 7
+of 10 runs here without a proxy), so the worker reaches Redis through a small TCP proxy, and
+the test drops the pidbox connection a moment before Redis dies. The unacknowledged messages are
 pings with a countdown: the worker holds them unacked until they are due, as it holds a
 running acks_late batch item, and meanwhile keeps a BRPOP waiting. No database and no
 engine are involved: the worker's own batch sweep is pushed past the test's end.
