@@ -52,6 +52,22 @@ def _assert_all_succeeded(client, batch, n: int, prefix: str) -> None:
     assert all(line["response"]["body"]["object"] == "chat.completion" for line in outputs)
 
 
+def _assert_billed_once(stack, client, batch) -> None:
+    """One usage row per item, each billing what the item's stored answer says it used: a run
+    the kill cut short or whose answer died with its worker is billed no more (issue 24,
+    suspected: "a batch item billed twice when its worker dies")."""
+    outputs, _ = _results(client, batch)
+    answered = sorted(line["response"]["body"]["usage"]["total_tokens"] for line in outputs)
+    billed = stack.server.django(f"""
+        from tenants.models import UsageRecord
+        rows = UsageRecord.objects.filter(request_id__startswith="batchreq-{batch.id.removeprefix('batch_')}-")
+        result = [rows.count(), rows.values("key").distinct().count(),
+                  sorted(r.prompt_tokens + r.completion_tokens for r in rows)]
+    """)
+    assert billed[:2] == [len(outputs), len(outputs)], billed[:2]
+    assert billed[2] == answered
+
+
 def _stop_workers(stack) -> None:
     for worker in stack.workers:
         worker.stop()
@@ -70,6 +86,7 @@ def test_a_worker_killed_with_sigkill_loses_nothing_and_repeats_nothing(stack):
     stack.worker()  # its sweep finds the dead worker's items once their heartbeat lapses
     done = _wait_status(client, batch.id, "completed")
     _assert_all_succeeded(client, done, 60, "kill")
+    _assert_billed_once(stack, client, done)
 
 
 def test_a_worker_stopped_with_sigterm_hands_its_items_back_at_once(stack):
@@ -88,6 +105,7 @@ def test_a_worker_stopped_with_sigterm_hands_its_items_back_at_once(stack):
     stack.worker()
     done = _wait_status(client, batch.id, "completed")
     _assert_all_succeeded(client, done, 60, "term")
+    _assert_billed_once(stack, client, done)
 
 
 def _get_status(url: str, key: str) -> tuple[int, dict]:
