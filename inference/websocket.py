@@ -188,7 +188,9 @@ class ChatSocketConsumer(AsyncWebsocketConsumer):
         """Re-read the key while the socket is open; close with 4401 once it is no longer live."""
         period = min(settings.WS_AUTH_RECHECK_S, settings.STREAM_LEASE_TTL_S / 3)
         while True:
-            await asyncio.sleep(max(0.0, self._checked_at + period - time.monotonic()))
+            # Due a period after the last good read (a start may have read it since); a read that
+            # failed (the database away) is tried again a period later, not at once.
+            await asyncio.sleep(max(period / 4, self._checked_at + period - time.monotonic()))
             if time.monotonic() - self._checked_at >= period and not await self._recheck():
                 return
             if self._socket_lease is not None:

@@ -299,7 +299,8 @@ class Ledger:
                         later[api_key_id] = when
                 except Exception as exc:  # advisory: the key's next use writes it again
                     log.warning("api key %s: could not record last_used: %s", api_key_id, exc)
-                    connection.close()
+            # At most one write a minute per key: no connection is worth keeping open for that.
+            connection.close()
 
 
 _ledger: Ledger | None = None
