@@ -5,6 +5,8 @@
    (policy violation), 1009 (message too big) and 1011 (server error).
 3. `install_stream_backpressure`: a stream's `send` waits while its client is not reading,
    and a client that reads nothing for STREAM_STALL_S is disconnected.
+4. `skip_form_parsing`: Twisted does not parse form bodies into `request.args` (daphne never
+   reads them; the application parses the body it is handed).
 
 All patch daphne's classes in this process only; `config.asgi` installs them, so they
 apply exactly where daphne serves the application.
@@ -108,6 +110,44 @@ def install_body_limit(limit: int, paths: dict[str, int] | None = None) -> None:
     WebRequest.handleContentChunk = handleContentChunk
     WebRequest.process = guarded_process
     WebRequest._body_limit_installed = True
+
+
+# Twisted's Request parses every multipart/form-data POST body with the email package, whole and
+# on the reactor thread, before daphne hands the body on, only to fill `request.args`, which
+# daphne never reads. A 40 MiB upload of blank lines kept the event loop busy for 30-60 s in that
+# parse (py-spy: 1,893 of 1,964 samples of the main thread in email.feedparser, under
+# http.Request.requestReceived), every other request of the process waiting: streams stalled
+# mid-token, admissions timed out, generation slots lapsed. The application parses the body
+# itself (Django's multipart parser, on the upload pool).
+BODY_MESSAGE_BYTES = 256 * 1024
+
+
+def skip_form_parsing() -> None:
+    from daphne.http_protocol import WebRequest
+
+    if getattr(WebRequest, "_form_parsing_skipped", False):
+        return
+    init = WebRequest.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._parsePOSTFormSubmission = False
+
+    WebRequest.__init__ = __init__
+    WebRequest._form_parsing_skipped = True
+
+    # Daphne hands a body to the application in messages of `request_buffer_size` bytes (8 KiB by
+    # default): 5,120 messages, each a write of Django's body file, for a 40 MiB upload, all on
+    # the event loop. Quarter-megabyte messages make that 160.
+    from daphne.server import Server
+
+    server_init = Server.__init__
+
+    def server_init_with_larger_body_messages(self, *args, **kwargs):
+        server_init(self, *args, **kwargs)
+        self.request_buffer_size = max(self.request_buffer_size, BODY_MESSAGE_BYTES)
+
+    Server.__init__ = server_init_with_larger_body_messages
 
 
 # RFC 6455 7.4.1 codes an endpoint may send. autobahn (daphne's WebSocket layer) lets an

@@ -28,6 +28,7 @@ from django import db
 from django.conf import settings
 
 from inference import formatting, protocol
+from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation, engine_failure
 from inference.host import host
 from tenants.errors import ApiError, database_unavailable, limits_unavailable
@@ -58,7 +59,7 @@ def server_error() -> ApiError:
                     code="internal_error")
 
 
-class EngineHttpConsumer(AsyncHttpConsumer):
+class EngineHttpConsumer(NoSharedThreadDispatch, AsyncHttpConsumer):
     """Body gathering, size limit, the response task, and SSE writing."""
 
     # Streams never use the channel layer: tokens travel from the engine thread straight here.

@@ -211,6 +211,10 @@ class Generation:
         else:
             self.lane = resolve_lane(tier.lane, request.priority if request.priority is not None else self.header_priority,
                                      "priority" if request.priority is not None else "X-Priority")
+        if self.hold_lease:
+            # First, and cheap (one Redis call): a tenant at its concurrency limit is refused before
+            # its prompt is tokenized and before two reservations are made and given back.
+            await self._open_lease(request.n * request.num_prompts)
         try:
             engine = await host.wait_engine()
         except EngineUnavailable as exc:
@@ -229,8 +233,6 @@ class Generation:
                 error.param = request.max_tokens_param
             raise
         self.token_decision = self._admission.decision
-        if self.hold_lease:
-            await self._open_lease(choices)
         self._renewer = asyncio.create_task(self._renew_holds())
         self._admitted_at = timezone.now().isoformat()
         # Journaled before the engine sees the request: whatever happens next, it is billed.

@@ -39,6 +39,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from inference import protocol
+from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation, engine_failure
 from tenants import admission, errors, quota
 from tenants.authentication import reload_key
@@ -81,7 +82,7 @@ def _frames_exceeded() -> ApiError:
                     type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
-class ChatSocketConsumer(AsyncWebsocketConsumer):
+class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
     channel_layer_alias = "streams-use-no-channel-layer"
 
     async def connect(self) -> None:

@@ -1525,23 +1525,29 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   }
 }
 
+// The compute functions run without the GIL (NOGIL): they touch no Python object, and holding it
+// through a step's kernels kept the web process's event loop waiting for whole steps (py-spy
+// --gil: the engine thread held the GIL in linear_small for 222 of 810 samples while streams and
+// admissions waited behind it).
+#define NOGIL py::call_guard<py::gil_scoped_release>()
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv", &write_kv, "keys and values into their cache slots (CPU)");
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention for an fp32 or bf16 batch's prefill chunks, into out (CPU)");
+  m.def("write_kv", &write_kv, NOGIL, "keys and values into their cache slots (CPU)");
+  m.def("paged_decode", &paged_decode, NOGIL, "paged decode attention (CPU)");
+  m.def("paged_prefill", &paged_prefill, NOGIL, "paged prefill attention for an fp32 or bf16 batch's prefill chunks, into out (CPU)");
   m.def("paged_prefill_available", &paged_prefill_available, "whether paged_prefill runs here for this dtype and head_dim");
-  m.def("add_rms_norm", &add_rms_norm, "residual add (in place) and RMSNorm (CPU)");
-  m.def("rotary", &rotary, "rotary embedding in place (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
-  m.def("argmax_rows", &argmax_rows, "each row's index of its largest value, first of ties (CPU)");
-  m.def("rotary_write_kv", &rotary_write_kv, "q and k rotated, k and v into their cache slots, from the fused qkv (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, NOGIL, "residual add (in place) and RMSNorm (CPU)");
+  m.def("rotary", &rotary, NOGIL, "rotary embedding in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, NOGIL, "SiLU(gate) * up (CPU)");
+  m.def("argmax_rows", &argmax_rows, NOGIL, "each row's index of its largest value, first of ties (CPU)");
+  m.def("rotary_write_kv", &rotary_write_kv, NOGIL, "q and k rotated, k and v into their cache slots, from the fused qkv (CPU)");
   m.def("linear_small_bf16", &linear_small_bf16, "whether linear_small takes bf16 weights of this input width here");
   m.def("bf16_native", &bf16_native, "whether this CPU dots bf16 natively (AVX512-BF16)");
   m.def("linear_amx_available", &linear_amx_available, "whether linear_amx runs here (AMX-BF16, allowed by the OS)");
   m.def("linear_amx", &linear_amx,
-        "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx; silu_mul: silu(gate) * up of a gate_up "
+        NOGIL, "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx; silu_mul: silu(gate) * up of a gate_up "
         "weight packed with gated=True (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false);
-  m.def("linear_small", &linear_small, "x @ w.T + bias for a few rows of x, fp32 or bf16 (CPU)", py::arg("x"), py::arg("w"),
+  m.def("linear_small", &linear_small, NOGIL, "x @ w.T + bias for a few rows of x, fp32 or bf16 (CPU)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
 }

@@ -11,6 +11,8 @@ import asyncio
 import io
 import json
 import socket
+import threading
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -87,6 +89,34 @@ def test_a_file_of_blank_lines_past_batch_max_lines_is_refused_naming_file(hosti
     assert str(BATCH_MAX_LINES) in error["message"]
     # The same request without the blank lines is a good file.
     assert upload(hostile_live, (chat_line("a") + "\n").encode(), key).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_large_upload_of_blank_lines_stalls_no_other_request(hostile_live: LiveServer):
+    """Twisted parsed every multipart body with the email package, whole and on the event loop,
+    before the application saw it: 40 MiB of blank lines froze the process for 30-60 s (the
+    bench's blank-file row: another tenant's first token at 36 s). Requests sent while such an
+    upload is received and refused must be answered as usual; 10 s bounds a hang, and the frozen
+    loop took far longer."""
+    content = (chat_line("a") + "\n").encode() + b"\n" * (30 * 1024**2)
+    done = threading.Event()
+    uploaded: list[int] = []
+
+    def send() -> None:
+        try:
+            uploaded.append(upload(hostile_live, content, hostile_live.keys["uploads-acme"]).status_code)
+        finally:
+            done.set()
+
+    threading.Thread(target=send, daemon=True).start()
+    worst = 0.0
+    while not done.is_set():
+        started = time.monotonic()
+        assert requests.get(hostile_live.url + "/healthz", timeout=TIMEOUT_S).status_code == 200
+        worst = max(worst, time.monotonic() - started)
+        time.sleep(0.05)
+    assert uploaded == [400]  # too many lines
+    assert worst < 10, f"another request waited {worst:.1f} s while the upload was handled"
 
 
 def test_a_file_is_read_line_by_line_and_only_as_far_as_its_first_refusal():
