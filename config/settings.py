@@ -299,6 +299,12 @@ USAGE_OUTBOX_DIR = env.str("USAGE_OUTBOX_DIR", default=str(BASE_DIR / ".run" / "
 # How long the end of a response waits for its usage row (normally a few milliseconds): past
 # it the response ends anyway and the row is written when the database takes it.
 USAGE_WRITE_WAIT_S = env.float("USAGE_WRITE_WAIT_S", default=1.0)
+# A request whose tenant has all its concurrent generations running waits this long for one of
+# them to end before it is refused (429). A client looping on refusals then makes one request a
+# second per connection instead of one every few milliseconds (on 2 cores, ~130 refusals a second
+# from one tenant took most of a core and multiplied other tenants' first-token times by 17), and
+# a well-behaved client whose generation ends meanwhile is served without a retry.
+SLOT_WAIT_S = env.float("SLOT_WAIT_S", default=1.0)
 # An open WebSocket re-reads its key at most this long after the last check: a revoked key or a
 # deactivated tenant is closed with 4401 within it, and a tier change applies to the next start.
 WS_AUTH_RECHECK_S = env.float("WS_AUTH_RECHECK_S", default=5.0)

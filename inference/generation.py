@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -50,6 +51,41 @@ SETTLE_RETRIES, SETTLE_RETRY_S = 5, 2.0
 
 # Settlements retried after the generation closed; held here so they are not collected.
 _settling: set[asyncio.Task] = set()
+
+
+class _SlotWaiters:
+    """Requests of a tenant waiting for its generation slots in this process, first come first
+    woken: a generation that ends wakes as many as it held slots, so a waiting request costs no
+    Redis call until a slot may be free."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, deque[asyncio.Future]] = {}
+
+    async def wait(self, tenant_id: int, timeout: float) -> None:
+        """Return when woken or after `timeout`, whichever comes first."""
+        waiter = asyncio.get_running_loop().create_future()
+        queue = self._waiting.setdefault(tenant_id, deque())
+        queue.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with contextlib.suppress(ValueError):
+                queue.remove(waiter)
+            if not queue and self._waiting.get(tenant_id) is queue:
+                del self._waiting[tenant_id]
+
+    def freed(self, tenant_id: int, slots: int) -> None:
+        queue = self._waiting.get(tenant_id)
+        while queue and slots > 0:
+            waiter = queue.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                slots -= 1
+
+
+_slot_waiters = _SlotWaiters()
 
 
 @dataclass(frozen=True)
@@ -310,12 +346,26 @@ class Generation:
         return max(1, min(default, tier.max_tokens_per_request, max_model_len - longest, by_rate, by_request))
 
     async def _open_lease(self, choices: int) -> None:
-        """One concurrent-generation slot per choice, all or none."""
+        """One concurrent-generation slot per choice, all or none. A tenant at its limit waits up to
+        SLOT_WAIT_S for slots to free, woken when one of its generations in this process ends, and
+        tries once more at the end (a generation elsewhere may have ended); then the 429."""
+        deadline = time.monotonic() + settings.SLOT_WAIT_S
+        while True:
+            try:
+                self._lease = await self._take_slots(choices)
+                return
+            except ApiError as error:
+                left = deadline - time.monotonic()
+                if error.status != 429 or left <= 0:
+                    raise
+            await _slot_waiters.wait(self.tenant.pk, left)
+
+    async def _take_slots(self, choices: int) -> Lease:
         param = "n" if self.request.n > 1 else ("prompt" if self.request.kind == "completion" else "n")
         taking = asyncio.ensure_future(admission.run(quota.open_stream, self.tenant, None, choices, param,
                                                      caller=f"tenant:{self.tenant.pk}", what="generation slots"))
         try:
-            self._lease = await asyncio.shield(taking)
+            return await asyncio.shield(taking)
         except asyncio.CancelledError:
             # The client left while its slots were being taken: the thread takes them all the same.
             # Wait for it so that close() gives them back, rather than leave them held for their TTL.
@@ -461,6 +511,8 @@ class Generation:
                     await asyncio.to_thread(quota.close_stream, self._lease)
                 except Exception as exc:  # the slots expire by themselves after their TTL
                     log.warning("generation %s: could not release its slots: %s", self.id, exc)
+                else:
+                    _slot_waiters.freed(self.tenant.pk, self._lease.count)
 
     def _usage_entry(self, op: str, usage: Usage) -> UsageEntry:
         now = time.monotonic()

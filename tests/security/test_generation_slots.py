@@ -88,3 +88,25 @@ def test_each_choice_takes_a_slot(no_slots_held: LiveServer):
     finally:
         for stream in held:
             stream.close()
+
+
+def test_a_request_at_the_limit_waits_briefly_for_a_slot_and_is_served_when_one_frees(no_slots_held: LiveServer):
+    """SLOT_WAIT_S (1 s): a client looping on refusals makes one request a second per connection,
+    not one every few milliseconds, and a request whose slot frees meanwhile needs no retry."""
+    live = no_slots_held
+    held = [_hold(live) for _ in range(SLOTS)]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(_post, live, chat_body(4))
+            time.sleep(0.3)  # it is waiting for a slot now
+            held.pop().close()  # one generation ends: its slot goes to the waiting request
+            status, body = waiting.result(timeout=60)
+        assert status == 200, body
+        held.append(_hold(live))  # all eight held again
+        started = time.monotonic()
+        status, body = _post(live, chat_body(4))  # nothing frees now: refused after the wait
+        assert status == 429 and body["error"]["type"] == "streams"
+        assert time.monotonic() - started >= 1.0
+    finally:
+        for stream in held:
+            stream.close()
