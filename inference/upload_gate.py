@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from http import HTTPStatus
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 
 from tenants.authentication import authenticate_bearer
 from tenants.errors import ApiError
@@ -45,26 +47,50 @@ def _response(error: ApiError) -> bytes:
     return (head + "\r\n").encode("latin-1") + body
 
 
-def _refusal(header: str | None) -> ApiError | None:
+def _refusal(header: str | None) -> tuple[ApiError | None, int | None]:
+    """(the refusal, or None) and the key's tenant."""
     try:
-        authenticate_bearer(header)
+        return None, authenticate_bearer(header).tenant_id
     except ApiError as error:
-        return error
-    return None
+        return error, None
+
+
+# Uploads of each tenant this process is receiving, from the gate to the response: past
+# FILES_MAX_CONCURRENT_UPLOADS the next is refused before its body is read. Each upload's bytes
+# pass through the event loop (two clients sending 40 MiB uploads in a loop took a fifth of it),
+# so one tenant's parallel uploads would otherwise still cost everyone.
+_receiving: Counter = Counter()
+
+
+def _too_many_uploads() -> ApiError:
+    limit = settings.FILES_MAX_CONCURRENT_UPLOADS
+    return ApiError(429, f"This organization already has {limit} upload(s) in progress; retry when it finishes.",
+                    type="requests", code="too_many_uploads", param="file", headers={"Retry-After": "2"})
+
+
+def _received(tenant_id: int) -> None:
+    _receiving[tenant_id] -= 1
+    if _receiving[tenant_id] <= 0:
+        del _receiving[tenant_id]
 
 
 async def _check(request, header: str | None) -> None:
     try:
         check = database_sync_to_async(_refusal, thread_sensitive=False)
-        error = await asyncio.wait_for(check(header), CHECK_TIMEOUT_S)
+        error, tenant_id = await asyncio.wait_for(check(header), CHECK_TIMEOUT_S)
     except Exception:  # a database error or the timeout: the platform's fault, so retry later
         log.exception("upload gate: the key check failed")
-        error = ApiError(503, "The server could not check the API key; retry shortly.", type="server_error",
-                         code="service_unavailable", headers={"Retry-After": "5"})
+        error, tenant_id = ApiError(503, "The server could not check the API key; retry shortly.", type="server_error",
+                                    code="service_unavailable", headers={"Retry-After": "5"}), None
     channel = request.channel
     if channel is None or channel.transport is None:  # the client left meanwhile
         request._key_check = REFUSED
         return
+    if error is None and _receiving[tenant_id] >= settings.FILES_MAX_CONCURRENT_UPLOADS:
+        error = _too_many_uploads()
+    if error is None:
+        _receiving[tenant_id] += 1
+        request.notifyFinish().addBoth(lambda _result: _received(tenant_id))
     if error is not None:
         request._key_check = REFUSED
         request._body_refused = True

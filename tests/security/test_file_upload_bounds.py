@@ -174,6 +174,23 @@ def test_an_upload_with_a_valid_key_that_expects_100_continue_gets_it_and_is_sto
     assert status == 200 and stored["object"] == "file" and stored["bytes"] == len(content)
 
 
+@pytest.mark.slow
+def test_a_tenants_second_upload_at_once_is_refused_before_its_body_is_read(hostile_live: LiveServer):
+    key = hostile_live.keys["uploads-acme"]
+    with socket.create_connection(address(hostile_live), timeout=TIMEOUT_S) as first:
+        first.sendall(raw_upload_head(hostile_live, key, 50_000_000) + b"x" * 4096)  # still arriving
+        time.sleep(1.0)  # its key check has passed
+        with socket.create_connection(address(hostile_live), timeout=TIMEOUT_S) as second:
+            second.sendall(raw_upload_head(hostile_live, key, 50_000_000) + b"x" * 2048)
+            status, body = read_response(second)
+        assert status == 429 and body["error"]["code"] == "too_many_uploads"
+    deadline = time.monotonic() + 10  # the server sees the first connection go
+    while (response := upload(hostile_live, (chat_line("a") + "\n").encode(), key)).status_code == 429:
+        assert time.monotonic() < deadline, response.json()
+        time.sleep(0.2)
+    assert response.status_code == 200
+
+
 # --- stored bytes per tenant ----------------------------------------------------------------
 
 
