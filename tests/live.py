@@ -61,6 +61,16 @@ class LiveServer:
     def stats(self) -> dict:
         return self.get_json("/api/v1/engine/stats", token=self.internal_token)
 
+    def post_json(self, path: str, body: dict, key: str, timeout: float = 120) -> tuple[int, dict]:
+        """(status, JSON body) of a POST with an API key, error statuses included."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
     def get_json(self, path: str, token: str | None = None) -> dict:
         request = urllib.request.Request(self.url + path)
         if token:

@@ -9,10 +9,7 @@ request is then refused with 429 `streams`, whatever its transport.
 """
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -30,14 +27,7 @@ LONG = 500  # tokens (the tier's most): the held streams outlive the test's shor
 
 
 def _post(live: LiveServer, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {live.keys[TENANT]}",
-                                              "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return live.post_json("/v1/chat/completions", body, live.keys[TENANT])
 
 
 def _hold(live: LiveServer, n: int = 1) -> SocketStream:

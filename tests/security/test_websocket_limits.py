@@ -18,7 +18,7 @@ import redis
 from websockets.exceptions import ConnectionClosed
 
 from tests.live import LiveServer
-from tests.security.wsclient import bearer, connect, first_token, run, start, until_closed, until_end, ws_url
+from tests.wsclient import bearer, connect, first_token, run, start, until_closed, until_end, ws_url
 
 pytestmark = pytest.mark.slow
 

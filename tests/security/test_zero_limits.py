@@ -3,28 +3,17 @@
 WebSocket, instead of a server error (or a 429 whose Retry-After would never come true)."""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 
 from tests.live import LiveServer
-from tests.security.wsclient import bearer, connect, run, until_closed, ws_url
+from tests.wsclient import bearer, connect, run, until_closed, ws_url
 
 pytestmark = pytest.mark.slow
 
 
 def _chat(live: LiveServer, tenant: str) -> tuple[int, dict]:
-    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
-    request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {live.keys[tenant]}",
-                                              "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return live.post_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2},
+                          live.keys[tenant], timeout=60)
 
 
 @pytest.mark.parametrize("tenant, field", [("zero-rpm", "requests_per_minute"), ("zero-tpm", "tokens_per_minute"),

@@ -5,40 +5,21 @@ streams). The handshake with a key counts one request, as every start does.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
-from typing import Any
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.live import LiveServer
+from tests.wsclient import HANG_GUARD_S, bearer, recv_json, run, ws_url
 
 pytestmark = pytest.mark.slow
 
 MAX_REQUEST_BYTES = 256 * 1024  # the live server's (tests.live.DEFAULT_ENV)
-HANG_GUARD_S = 120  # a broken server fails the test instead of hanging it; never a timing assertion
-
 GREEDY_PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 LONG_PROMPT = [{"role": "user", "content": "Count from one to one thousand in words."}]
-
-
-def run(coro) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
-
-
-def ws_url(live: LiveServer) -> str:
-    return live.ws_url + "/ws/v1/chat"
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-async def recv_json(ws: ClientConnection) -> dict:
-    return json.loads(await ws.recv())
 
 
 async def close_code(ws: ClientConnection) -> tuple[list[dict], int]:
