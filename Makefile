@@ -4,18 +4,23 @@ VENV := .venv
 REQS := requirements.txt requirements-dev.txt requirements-model.txt
 STAMP := $(VENV)/.installed-$(shell cat $(REQS) | cksum | cut -d" " -f1)
 
-.PHONY: run test venv
+.PHONY: run test venv kernels
 
-run: venv
+run: venv kernels
 	$(VENV)/bin/python platform/run.py
 
-test: venv
+test: venv kernels
 	@# The console's browser tests drive Debian's chromium; as root, install it when missing.
 	test -x /usr/bin/chromium || (test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q chromium) \
 		|| echo "tests/console needs Debian's chromium at /usr/bin/chromium: apt-get install chromium"
 	$(VENV)/bin/python -m pytest
 
 venv: $(STAMP)
+
+# The C++ CPU kernels compile once per machine and checkout (~40 s on 2 cores), here rather
+# than inside whichever test or first request needs them; a no-op (~2 s) once built.
+kernels: venv
+	$(VENV)/bin/python -c "import kernels.cpu_ext as ext; ext.load() or print('CPU kernels unavailable: the PyTorch reference serves')"
 
 $(STAMP):
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
