@@ -50,7 +50,7 @@ WS_ID_LENGTH = 128
 # window update), well inside 3 s. Twelve tokens are ~23 KB of events, read in ~25 s.
 SLOW = 12
 SLOW_READ = 256
-SLOW_PAUSE_S = 0.25
+SLOW_PAUSE_S = 0.05
 HANG_GUARD_S = 300  # a broken server fails the test instead of hanging it; never a timing assertion
 STALL_LOG = "the client took nothing for"
 

@@ -75,12 +75,12 @@ def test_a_tier_change_applies_to_the_next_start_on_an_open_socket(hostile_live:
 
     async def scenario():
         async with connect(ws_url(live), additional_headers=bearer(live.keys["reauth-tier"])) as ws:
-            await ws.send(start("before", 100))
+            await ws.send(start("before", 20))
             before = await until_end(ws, "before")
-            set_max_tokens(50)
+            set_max_tokens(10)
             await asyncio.sleep(RECHECK_S + 0.2)  # the socket's last read of the tier may be this old
             try:
-                await ws.send(start("after", 100))
+                await ws.send(start("after", 20))
                 after = await until_end(ws, "after")
             finally:
                 set_max_tokens(512)
