@@ -114,6 +114,11 @@ def _raw_lines(source: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, byt
         yield start, None if too_long else tail.removesuffix(b"\r")
 
 
+def too_many_lines(max_lines: int) -> ApiError:
+    return ApiError(400, f"The file has more than {max_lines} lines (blank lines count).", code="too_many_lines",
+                    param="file")
+
+
 def parse_input(source: bytes | BinaryIO, max_lines: int, max_line_bytes: int | None = None) -> list[InputLine]:
     """Every line of an uploaded batch file, or `FileRejected` naming the bad ones.
 
@@ -129,8 +134,7 @@ def parse_input(source: bytes | BinaryIO, max_lines: int, max_line_bytes: int | 
     seen: dict[str, int] = {}
     for number, (offset, raw) in enumerate(_raw_lines(source, max_line_bytes), start=1):
         if number > max_lines:
-            raise ApiError(400, f"The file has more than {max_lines} lines (blank lines count).",
-                           code="too_many_lines", param="file")
+            raise too_many_lines(max_lines)
         if raw is None:
             problems.append((number, f"the line is longer than {max_line_bytes} bytes"))
             continue

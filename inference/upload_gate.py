@@ -7,6 +7,11 @@ are in: the connection stops reading while the key is looked up (on a worker thr
 the event loop's), then either reads on or answers 401 and closes, having read no more
 than was already in flight. The view authenticates again as usual; this is only a gate.
 
+The body's lines are counted as they arrive, too: past BATCH_MAX_LINES (and the few lines of
+the multipart framing) the upload is answered 400 `too_many_lines` and its connection closed,
+so a file of millions of blank lines costs the server what it read up to the limit, not the
+whole file (40 MiB of blank lines: 50 KB read instead of 40 MiB received, stored and parsed).
+
 `install()` wraps daphne's `WebRequest` after `config.daphne_hooks.install_body_limit`,
 whose `_body_refused` flag it shares, so a refused body is dropped as that hook drops one.
 """
@@ -21,6 +26,7 @@ from http import HTTPStatus
 from channels.db import database_sync_to_async
 from django.conf import settings
 
+from inference.batch_files import too_many_lines
 from tenants.authentication import authenticate_bearer
 from tenants.errors import ApiError
 
@@ -31,6 +37,10 @@ GATED_PATHS = frozenset({"/v1/files"})
 # this long means the database is in trouble: answer 503 rather than hold the socket.
 CHECK_TIMEOUT_S = 10.0
 PENDING, PASSED, REFUSED = "pending", "passed", "refused"
+# Lines of a multipart body that are not the file's: each part's boundary, headers and blank
+# separator (4-5 lines for `purpose`, the same for `file`, the closing boundary). A body over
+# the line limit by fewer than this still reaches the view, which counts the file's own lines.
+FRAMING_LINES = 32
 
 
 def _gated(channel) -> bool:
@@ -68,6 +78,15 @@ def _too_many_uploads() -> ApiError:
                     type="requests", code="too_many_uploads", param="file", headers={"Retry-After": "2"})
 
 
+def _refuse(request, error: ApiError) -> None:
+    request._key_check = REFUSED
+    request._body_refused = True
+    transport = request.channel.transport if request.channel is not None else None
+    if transport is not None:
+        transport.write(_response(error))
+        transport.loseConnection()
+
+
 def _received(tenant_id: int) -> None:
     _receiving[tenant_id] -= 1
     if _receiving[tenant_id] <= 0:
@@ -83,6 +102,8 @@ async def _check(request, header: str | None) -> None:
         error, tenant_id = ApiError(503, "The server could not check the API key; retry shortly.", type="server_error",
                                     code="service_unavailable", headers={"Retry-After": "5"}), None
     channel = request.channel
+    if getattr(request, "_body_refused", False):  # its bytes already in flight were too many lines
+        return
     if channel is None or channel.transport is None:  # the client left meanwhile
         request._key_check = REFUSED
         return
@@ -92,10 +113,7 @@ async def _check(request, header: str | None) -> None:
         _receiving[tenant_id] += 1
         request.notifyFinish().addBoth(lambda _result: _received(tenant_id))
     if error is not None:
-        request._key_check = REFUSED
-        request._body_refused = True
-        channel.transport.write(_response(error))
-        channel.transport.loseConnection()
+        _refuse(request, error)
         return
     request._key_check = PASSED
     if request._expect_continue:
@@ -111,7 +129,7 @@ def install() -> None:
 
     if getattr(WebRequest, "_key_gate_installed", False):
         return
-    got_length, process = WebRequest.gotLength, WebRequest.process
+    got_length, handle_chunk, process = WebRequest.gotLength, WebRequest.handleContentChunk, WebRequest.process
 
     def gotLength(self, length):
         got_length(self, length)
@@ -124,9 +142,17 @@ def install() -> None:
         # instead, once the key passed, so a well-behaved client sends nothing before that.
         self._expect_continue = bool(expect) and expect[0].lower() == b"100-continue"
         self.requestHeaders.removeHeader(b"expect")
-        self._key_check, self._body_complete = PENDING, False
+        self._key_check, self._body_complete, self._body_lines = PENDING, False, 0
         channel.transport.pauseProducing()
         asyncio.get_event_loop().create_task(_check(self, header[0].decode("latin-1") if header else None))
+
+    def handleContentChunk(self, data):
+        if not getattr(self, "_body_refused", False) and hasattr(self, "_body_lines"):
+            self._body_lines += data.count(b"\n")
+            if self._body_lines > settings.BATCH_MAX_LINES + FRAMING_LINES:
+                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES))
+                return
+        handle_chunk(self, data)
 
     def gated_process(self):
         state = getattr(self, "_key_check", PASSED)
@@ -138,5 +164,6 @@ def install() -> None:
         return process(self)
 
     WebRequest.gotLength = gotLength
+    WebRequest.handleContentChunk = handleContentChunk
     WebRequest.process = gated_process
     WebRequest._key_gate_installed = True

@@ -119,6 +119,25 @@ def test_a_large_upload_of_blank_lines_stalls_no_other_request(hostile_live: Liv
     assert worst < 10, f"another request waited {worst:.1f} s while the upload was handled"
 
 
+@pytest.mark.slow
+def test_an_upload_of_blank_lines_is_refused_once_it_passes_the_line_limit_not_once_it_is_all_in(
+        hostile_live: LiveServer):
+    """The server used to receive, store and parse all of such a body before the 400: 40 MiB of
+    blank lines is 40 MiB of event-loop work for a refusal that 50 KB decide. Here 40 MiB are
+    announced and 1 MiB of blank lines sent: the answer must come without the rest."""
+    key = hostile_live.keys["uploads-acme"]
+    framing = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+               f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+               f"Content-Type: application/jsonl\r\n\r\n").encode() + (chat_line("a") + "\n").encode()
+    with socket.create_connection(address(hostile_live), timeout=TIMEOUT_S) as sock:
+        sock.sendall(raw_upload_head(hostile_live, key, 40 * 1024**2) + framing)
+        sock.sendall(b"\n" * 1024**2)
+        status, body = read_response(sock)  # a server waiting for the other 39 MiB times this out
+    assert status == 400
+    assert (body["error"]["param"], body["error"]["code"]) == ("file", "too_many_lines")
+    assert str(BATCH_MAX_LINES) in body["error"]["message"]
+
+
 def test_a_file_is_read_line_by_line_and_only_as_far_as_its_first_refusal():
     source = io.BytesIO((chat_line("a") + "\n").encode() + b"\n" * (40 * 1024**2))
     with pytest.raises(ApiError) as caught:
