@@ -209,6 +209,10 @@ INFERENCE = {
     # The most of a lane's waiting queue one tenant may hold (a fraction of its limit): half,
     # so a burst from one tenant still queues deep while any other tenant finds room.
     "TENANT_QUEUE_SHARE": env.float("INFERENCE_TENANT_QUEUE_SHARE", default=0.5),
+    # A tenant running this many sequences sits out the step that admits another tenant's new
+    # request (0: never), at most one step in CROWD_SIT_OUT_EVERY: see EngineConfig.
+    "CROWD_SIT_OUT_SEQS": env.int("INFERENCE_CROWD_SIT_OUT_SEQS", default=4),
+    "CROWD_SIT_OUT_EVERY": env.int("INFERENCE_CROWD_SIT_OUT_EVERY", default=4),
 }
 
 # --- serving ------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ def engine_config() -> EngineConfig:
         policy=conf["POLICY"],
         aging_threshold_s=conf["AGING_S"],
         tenant_queue_share=conf["TENANT_QUEUE_SHARE"],
+        crowd_sit_out_seqs=conf["CROWD_SIT_OUT_SEQS"],
+        crowd_sit_out_every=conf["CROWD_SIT_OUT_EVERY"],
     )
 
 

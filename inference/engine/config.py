@@ -96,6 +96,13 @@ class EngineConfig:
     # The most of a lane's waiting queue (a fraction of lane_max_waiting) one tenant's requests
     # may hold, so one tenant cannot fill a lane and turn every other tenant's request away.
     tenant_queue_share: float = 0.5
+    # A tenant running at least crowd_sit_out_seqs sequences (and more than the newcomer's
+    # tenant) sits out the step that admits another tenant's new request of its lane or a
+    # better one, at most one step in crowd_sit_out_every (0: never). A step's time grows with
+    # its decodes (2-core CPU: ~115 ms with 16, ~50 ms with one), and a newcomer's prefill
+    # would otherwise wait for and share every crowded step.
+    crowd_sit_out_seqs: int = 4
+    crowd_sit_out_every: int = 4
     seed: int = 0
 
     def __post_init__(self):
@@ -120,6 +127,9 @@ class EngineConfig:
             raise InvalidRequestError("batch_prefill_tokens must not be negative", param="batch_prefill_tokens")
         if self.swap_space_bytes < 0 or self.max_swaps_per_step < 0:
             raise InvalidRequestError("swap_space_bytes and max_swaps_per_step must not be negative", param="swap_space_bytes")
+        if self.crowd_sit_out_seqs < 0 or self.crowd_sit_out_every < 1:
+            raise InvalidRequestError("crowd_sit_out_seqs must not be negative, crowd_sit_out_every at least 1",
+                                      param="crowd_sit_out_seqs")
         if not 0 < self.tenant_queue_share <= 1:
             raise InvalidRequestError("tenant_queue_share must be in (0, 1]", param="tenant_queue_share")
         if len(self.lane_max_waiting) != 3 or len(self.lane_queue_timeout_s) != 3:

@@ -10,7 +10,11 @@ first, who is the victim) is a `Policy` that only orders sequences. A step:
    Running batch (P2) work sits this step out when an interactive request has just
    arrived and can be admitted now (priority policy only): the step that prefills it
    carries no batch decodes, so batch traffic barely delays interactive first tokens.
-   Sitting out keeps every block; the batch work runs again the next step.
+   So do a crowd's: the running sequences of a tenant that runs many (crowd_sit_out_seqs)
+   when another tenant's request of that lane or a better one has just arrived, at most one
+   step in crowd_sit_out_every, so a tenant's many streams within its tier neither slow
+   other tenants' first tokens nor lose more than a share of their own steps.
+   Sitting out keeps every block; the work runs again the next step.
 3. Swapped and waiting sequences, in policy order, are swapped back in or admitted
    while the budgets and the pool allow; the first that does not fit stops the rest,
    so nobody overtakes the head of the queue.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -195,6 +199,8 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.preemptions = {"recompute": 0, "swap": 0}
         self._sat_out_in_vain: Sequence | None = None
+        self._step_no = 0
+        self._crowd_sat_out: dict[str | None, int] = {}  # tenant -> the step it last sat out as a crowd
 
     @property
     def num_preemptions(self) -> int:
@@ -224,6 +230,7 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = self.clock() if now is None else now
+        self._step_no += 1
         cap = self.config.batch_prefill_tokens
         step = _Step(budget=self.config.max_num_batched_tokens, batch_prefill=cap or self.config.max_num_batched_tokens)
         timed_out = self._expire_waiting(now)
@@ -231,7 +238,7 @@ class Scheduler:
         self.running.sort(key=lambda s: policy.victim_key(s, now))
         if policy.preempts_for_admission():
             self._preempt_for_better_lanes(now, step)
-        head, sitting_out = self._sitting_out(now, step)
+        head, sitting_out, crowds = self._sitting_out(now, step)
         self._schedule_running(now, step, sitting_out)
 
         bm = self.block_manager
@@ -242,8 +249,8 @@ class Scheduler:
             for seq in candidates:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                if sitting_out and policy.yields_to(seq, head):
-                    break  # the step that admits the new arrival stays free of batch work
+                if sitting_out and (policy.yields_to(seq, head) or seq.tenant_id in crowds):
+                    break  # the step that admits the new arrival stays free of what made way for it
                 if seq.status is SequenceStatus.SWAPPED:
                     if not self._swap_in(seq, step):
                         break
@@ -279,25 +286,44 @@ class Scheduler:
             self.finish(seq, "error")
         return expired
 
-    def _sitting_out(self, now: float, step: _Step) -> tuple[Sequence | None, frozenset[Sequence]]:
-        """The head of the queue and the running sequences that make way for it this step:
-        only for a request that has just arrived and gets in now (otherwise sitting out
-        would only slow the batch down)."""
+    def _sitting_out(self, now: float, step: _Step) -> tuple[Sequence | None, frozenset[Sequence], frozenset]:
+        """The head of the queue, the running sequences that make way for it this step, and
+        the crowded tenants among their owners: only for a request that has just arrived and
+        gets in now (otherwise sitting out would only slow the batch down)."""
+        nobody = None, frozenset(), frozenset()
         if not self.waiting or not self.running:
-            return None, frozenset()
+            return nobody
         head = min(self.swapped + self.waiting, key=lambda s: self.policy.waiting_key(s, now))
         if (head.status is not SequenceStatus.WAITING or head.num_preemptions or head is self._sat_out_in_vain
                 or len(self.running) >= self.config.max_num_seqs):
-            return None, frozenset()
-        yielding = frozenset(s for s in self.running if self.policy.yields_to(s, head))
+            return nobody
+        crowds = self._crowds(head)
+        yielding = frozenset(s for s in self.running if self.policy.yields_to(s, head)
+                             or (s.tenant_id in crowds and s.lane >= head.lane))
         if not yielding:
-            return None, frozenset()
+            return nobody
         bm = self.block_manager
         prefix = bm.find_cached_prefix(head)
         num_new = min(head.num_tokens - prefix.num_tokens(bm.block_size), step.budget)
         if not bm.can_allocate(head, num_new, prefix):
-            return None, frozenset()
-        return head, yielding
+            return nobody
+        for tenant in crowds:
+            self._crowd_sat_out[tenant] = self._step_no
+        if len(self._crowd_sat_out) > 1024:  # only the last crowd_sit_out_every steps matter
+            every = self.config.crowd_sit_out_every
+            self._crowd_sat_out = {t: n for t, n in self._crowd_sat_out.items() if self._step_no - n < every}
+        return head, yielding, crowds
+
+    def _crowds(self, head: Sequence) -> frozenset:
+        """Tenants other than `head`'s running at least crowd_sit_out_seqs sequences, more than
+        `head`'s tenant runs, that have not sat out in the last crowd_sit_out_every steps."""
+        least, every = self.config.crowd_sit_out_seqs, self.config.crowd_sit_out_every
+        if not least or not isinstance(self.policy, PriorityPolicy):
+            return frozenset()
+        counts = Counter(s.tenant_id for s in self.running if s.lane >= head.lane)
+        theirs = sum(1 for s in self.running if s.tenant_id == head.tenant_id)
+        return frozenset(t for t, n in counts.items() if t != head.tenant_id and n >= least and n > theirs
+                         and self._step_no - self._crowd_sat_out.get(t, -every) >= every)
 
     def _schedule_running(self, now: float, step: _Step, sitting_out: frozenset[Sequence] = frozenset()) -> None:
         bm = self.block_manager

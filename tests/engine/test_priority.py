@@ -305,6 +305,64 @@ def test_other_policies_never_sit_batch_work_out():
     assert sorted(_scheduled_ids(engine.runner.schedules[-1])) == ["batch", "chat"]
 
 
+def crowded_engine(crowd: int, **kw):
+    """A fake engine with `crowd` P1 requests of tenant "crowd" decoding."""
+    engine = fake_engine(max_num_seqs=32, max_num_batched_tokens=128, **kw)
+    engine.crowd = [engine.add_request(f"crowd-{i}", [i + 1, 2, 3], params(24), lane=1, tenant_id="crowd")
+                    for i in range(crowd)]
+    engine.step()
+    engine.step()
+    return engine
+
+
+def test_a_tenants_crowd_of_streams_sits_out_the_step_that_admits_another_tenants_request():
+    """Issue 24's n fan-out: one tenant's 16 streams, within its tier, made every step slow, and
+    another tenant's first token waited for one and shared the next. Now the newcomer's step
+    carries none of the crowd's decodes; the crowd decodes again the step after, token-identical."""
+    engine = crowded_engine(6)
+    engine.add_request("chat", [9, 9, 9, 9, 9], params(3), lane=1, tenant_id="bystander")
+    engine.step()
+    engine.step()
+    admitting, after = engine.runner.schedules[-2:]
+    assert _scheduled_ids(admitting) == ["chat"]
+    assert sorted(_scheduled_ids(after)) == ["chat"] + [f"crowd-{i}" for i in range(6)]
+    outputs = run_to_completion(engine)
+    for i in range(6):
+        assert outputs[f"crowd-{i}"][-1].finish_reason == "length"
+        assert engine.crowd[i].output_token_ids == expected_output([i + 1, 2, 3], 24)
+    assert engine.stats()["preemptions"] == 0
+
+
+def test_a_crowd_makes_way_at_most_one_step_in_crowd_sit_out_every():
+    """Newcomers every step cannot starve a crowd: it sits out one step in four at most."""
+    engine = crowded_engine(6, crowd_sit_out_every=4)
+    decoded = []
+    for n in range(12):
+        engine.add_request(f"chat-{n}", [n + 1, 9, 9], params(1), lane=1, tenant_id=f"bystander-{n}")
+        engine.step()
+        decoded.append(any(rid.startswith("crowd-") for rid in _scheduled_ids(engine.runner.schedules[-1])))
+    assert decoded.count(False) == 3, decoded  # steps 1, 5 and 9
+    assert decoded[0] is False and decoded[4] is False and decoded[8] is False
+
+
+@pytest.mark.parametrize("crowd, newcomer_has", [(3, 0), (6, 6)], ids=["below-the-threshold", "as-many-as-the-crowd"])
+def test_no_one_sits_out_for_a_tenant_running_as_many_or_when_few_are_running(crowd, newcomer_has):
+    engine = crowded_engine(crowd)
+    for i in range(newcomer_has):
+        engine.add_request(f"peer-{i}", [i + 5, 2, 3], params(24), lane=1, tenant_id="peer")
+    engine.step()
+    engine.add_request("chat", [9, 9, 9], params(3), lane=1, tenant_id="peer")
+    engine.step()
+    assert sum(rid.startswith("crowd-") for rid in _scheduled_ids(engine.runner.schedules[-1])) == crowd
+
+
+def test_a_crowd_in_a_better_lane_does_not_make_way_for_a_worse_one():
+    engine = crowded_engine(6)
+    engine.add_request("batch", [9, 9, 9], params(3), lane=2, tenant_id="bystander")
+    engine.step()
+    assert sum(rid.startswith("crowd-") for rid in _scheduled_ids(engine.runner.schedules[-1])) == 6
+
+
 # -- swap and recompute keep outputs exact (real tiny model) -----------------------------------------
 
 SAMPLINGS = {
