@@ -98,9 +98,9 @@ class EngineConfig:
     tenant_queue_share: float = 0.5
     # A tenant running at least crowd_sit_out_seqs sequences (and more than the newcomer's
     # tenant) sits out the step that admits another tenant's new request of its lane or a
-    # better one, at most one step in crowd_sit_out_every (0: never). A step's time grows with
-    # its decodes (2-core CPU: ~115 ms with 16, ~50 ms with one), and a newcomer's prefill
-    # would otherwise wait for and share every crowded step.
+    # better one, at most one step in crowd_sit_out_every (0: never). The newcomer's first
+    # token comes from that step, and 16 decodes beside it make it longer (2-core CPU, the
+    # packaged model: a 40-token prefill alone 72 ms, beside 16 decodes 98 ms).
     crowd_sit_out_seqs: int = 4
     crowd_sit_out_every: int = 4
     seed: int = 0
