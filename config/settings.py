@@ -124,7 +124,7 @@ CHANNEL_LAYERS = {
 # streaming stops renewing, so its slot comes back after at most this long.
 STREAM_LEASE_TTL_S = env.float("STREAM_LEASE_TTL_S", default=30.0)
 
-# --- Celery (see DESIGN.md's pitfalls) ----------------------------------------------------
+# --- Celery (see the pitfalls in docs/design.md) ------------------------------------------
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL

@@ -7,7 +7,7 @@ from django.utils import timezone
 
 
 class Lane(models.IntegerChoices):
-    """Scheduling lanes, best first (DESIGN.md). A lower number is served sooner."""
+    """Scheduling lanes, best first (docs/design.md). A lower number is served sooner."""
 
     REALTIME = 0, "P0 realtime"
     NEAR_REALTIME = 1, "P1 near-realtime"

@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 def start_redis(directory: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Start redis-server (on a free port unless given), as DESIGN.md prescribes for a
+    """Start redis-server (on a free port unless given), as docs/design.md prescribes for a
     broker (no eviction). It keeps nothing on disk: a restart starts empty."""
     port = port or free_port()
     proc = subprocess.Popen(
