@@ -7,6 +7,7 @@
    and a client that reads nothing for STREAM_STALL_S is disconnected.
 4. `skip_form_parsing`: Twisted does not parse form bodies into `request.args` (daphne never
    reads them; the application parses the body it is handed).
+5. `enlarge_body_messages`: bodies reach the application in 256 KiB messages, not 8 KiB ones.
 
 All patch daphne's classes in this process only; `config.asgi` installs them, so they
 apply exactly where daphne serves the application.
@@ -119,9 +120,6 @@ def install_body_limit(limit: int, paths: dict[str, int] | None = None) -> None:
 # http.Request.requestReceived), every other request of the process waiting: streams stalled
 # mid-token, admissions timed out, generation slots lapsed. The application parses the body
 # itself (Django's multipart parser, on the upload pool).
-BODY_MESSAGE_BYTES = 256 * 1024
-
-
 def skip_form_parsing() -> None:
     from daphne.http_protocol import WebRequest
 
@@ -136,11 +134,18 @@ def skip_form_parsing() -> None:
     WebRequest.__init__ = __init__
     WebRequest._form_parsing_skipped = True
 
-    # Daphne hands a body to the application in messages of `request_buffer_size` bytes (8 KiB by
-    # default): 5,120 messages, each a write of Django's body file, for a 40 MiB upload, all on
-    # the event loop. Quarter-megabyte messages make that 160.
+
+BODY_MESSAGE_BYTES = 256 * 1024
+
+
+def enlarge_body_messages() -> None:
+    """Daphne hands a body to the application in messages of `request_buffer_size` bytes (8 KiB
+    by default): 5,120 messages, each a write of Django's body file, for a 40 MiB upload, all on
+    the event loop. Quarter-megabyte messages make that 160."""
     from daphne.server import Server
 
+    if getattr(Server, "_body_messages_enlarged", False):
+        return
     server_init = Server.__init__
 
     def server_init_with_larger_body_messages(self, *args, **kwargs):
@@ -148,6 +153,7 @@ def skip_form_parsing() -> None:
         self.request_buffer_size = max(self.request_buffer_size, BODY_MESSAGE_BYTES)
 
     Server.__init__ = server_init_with_larger_body_messages
+    Server._body_messages_enlarged = True
 
 
 # RFC 6455 7.4.1 codes an endpoint may send. autobahn (daphne's WebSocket layer) lets an

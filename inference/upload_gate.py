@@ -172,7 +172,9 @@ def install() -> None:
         if not getattr(self, "_body_refused", False) and hasattr(self, "_body_lines"):
             self._body_lines += data.count(b"\n")
             if self._body_lines > settings.BATCH_MAX_LINES + FRAMING_LINES:
-                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES), linger=True)
+                # Lingers only once the key passed: bytes already in flight during the check
+                # could be an anonymous client's.
+                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES), linger=self._key_check == PASSED)
                 return
         handle_chunk(self, data)
 
