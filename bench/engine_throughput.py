@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from inference.engine.config import EngineConfig, resolve_dtype  # noqa: E402
 from inference.engine.engine import LLMEngine  # noqa: E402
 from inference.engine.loader import resolve_source  # noqa: E402
-from inference.engine.sequence import SamplingParams  # noqa: E402
+from inference.engine.api import SamplingParams  # noqa: E402
 
 BATCH1_RUNS = 5  # a batch-1 run lasts about a second: each side takes the median of five
 NO_EOS = -1  # an id no token has: transformers then stops at max_new_tokens only
@@ -110,7 +110,7 @@ def ours_shared_prefix(engine_factory, vocab: int) -> dict:
         engine = engine_factory(caching)
         _, t = timed(lambda: engine.generate(prompts, params))
         stats = engine.stats()
-        out["on" if caching else "off"] = {"seconds": t, "saved": stats["prefix_hit_tokens"] / stats["prompt_tokens"]}
+        out["on" if caching else "off"] = {"seconds": t, "saved": stats.prefix_hit_tokens / stats.prompt_tokens}
     return out
 
 

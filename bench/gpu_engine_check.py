@@ -33,7 +33,7 @@ from bench.gpu_kernel_check import parse_args, print_table  # noqa: E402
 from inference.engine.config import EngineConfig  # noqa: E402
 from inference.engine.engine import LLMEngine  # noqa: E402
 from inference.engine.loader import load_model  # noqa: E402
-from inference.engine.sequence import SamplingParams  # noqa: E402
+from inference.engine.api import SamplingParams  # noqa: E402
 
 SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference.engine.config import EngineConfig  # noqa: E402
 from inference.engine.engine import LLMEngine  # noqa: E402
-from inference.engine.sequence import SamplingParams  # noqa: E402
+from inference.engine.api import SamplingParams  # noqa: E402
 
 LANE_MIX = (0.2, 0.5, 0.3)
 PROMPT_LEN = {0: (48, 80), 1: (64, 256), 2: (64, 128)}
@@ -125,10 +125,10 @@ def replay(engine: LLMEngine, trace: list[Arrival]) -> dict:
         "ttft": ttft,
         "throughput": generated / (last_finish - start - trace[0].at),
         "wall_s": last_finish - start,
-        "steps": stats["steps"],
-        "computed_tokens": stats["computed_tokens"],
-        "preemptions_swap": stats["preemptions_swap"],
-        "preemptions_recompute": stats["preemptions_recompute"],
+        "steps": stats.steps,
+        "computed_tokens": stats.computed_tokens,
+        "preemptions_swap": stats.preemptions_swap,
+        "preemptions_recompute": stats.preemptions_recompute,
     }
 
 

@@ -5,6 +5,8 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 
+from inference.engine import api
+
 POLICIES = ("priority", "fcfs", "shortest_first")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -29,6 +31,17 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
     if conf["AGING_S"] <= 0:
         problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
     return problems
+
+
+@register()
+def check_request_bounds(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """The API's stop bounds are settings; the engine refuses past its own ceilings, so a setting
+    above a ceiling would turn requests the API let through into engine errors."""
+    stops = settings.MAX_STOP, settings.MAX_STOP * settings.MAX_STOP_CHARS, settings.MAX_STOP_TOKEN_IDS
+    ceilings = api.MAX_STOP_SEQUENCES, api.MAX_STOP_TOTAL_CHARS, api.MAX_STOP_TOKEN_IDS
+    names = "MAX_STOP", "MAX_STOP x MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS"
+    return [Error(f"{name} is {value}; the engine takes at most {ceiling}.", id="inference.E006")
+            for name, value, ceiling in zip(names, stops, ceilings) if value > ceiling]
 
 
 @register(Tags.security, deploy=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from inference.engine.sequence import TokenLogprob
+from inference.engine.api import TokenLogprob
 from inference.generation import Choice, Generation
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}

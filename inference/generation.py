@@ -32,7 +32,7 @@ from django.utils import timezone
 from inference import catalog, public_errors
 from inference.engine.async_engine import EngineNotRunningError, RequestStream
 from inference.engine.errors import InvalidRequestError, QueueFullError
-from inference.engine.sequence import RequestOutput
+from inference.engine.api import RequestOutput
 from inference.host import LOADING, EngineUnavailable, host
 from inference.protocol import GenerationRequest, bad_request
 from tenants import admission, errors, quota

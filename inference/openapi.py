@@ -18,7 +18,7 @@ from rest_framework.permissions import AllowAny
 from rest_framework.views import APIView
 
 from inference import batch_views, protocol
-from inference.engine.sequence import MAX_LOGPROBS
+from inference.engine.api import LIMITS, MAX_N
 from inference.views import ModelList
 
 
@@ -26,10 +26,18 @@ from inference.views import ModelList
 # The request bodies are closed (additionalProperties: false; see `close_request_bodies`):
 # `protocol` refuses unknown fields, as OpenAI does.
 
-# Limits `protocol` writes as literals (its `_max_tokens`, `_sampling`). The request bounds are
-# settings, read here (at import, like the schema) under the same names `protocol` reads.
-MAX_TOKENS = 1_000_000
-MAX_TOP_K = 1_000_000
+# Numeric ranges come from the engine's table (`LIMITS`), as `protocol` checks them. The request
+# bounds are settings, read here (at import, like the schema) under the same names `protocol` reads.
+
+
+def _bounded(name: str, cap: int | None = None, **kwargs) -> serializers.Field:
+    """An optional numeric field with `LIMITS[name]` as its range, its top lowered to `cap` where a
+    request bound over several fields already binds the field alone (n x max_tokens with n = 1).
+    An open low end is marked by `close_request_bodies`: OpenAPI 3.0 states it apart from `minimum`."""
+    limit = LIMITS[name]
+    field = serializers.IntegerField if limit.integer else serializers.FloatField
+    high = limit.high if cap is None else min(limit.high, cap)
+    return field(required=False, min_value=limit.low, max_value=high, **kwargs)
 
 # Bounds over several fields, which JSON Schema cannot state: published on each request body as
 # `x-request-bounds` (see `close_request_bodies`) and in the fields' descriptions.
@@ -84,21 +92,16 @@ class StreamOptions(serializers.Serializer):
 
 class _Sampling(serializers.Serializer):
     model = serializers.CharField(required=False, help_text="The served model's id (GET /v1/models).")
-    n = serializers.IntegerField(required=False, min_value=1, max_value=protocol.MAX_N,
-                                 help_text="Each choice takes one of the tier's concurrent generations.")
-    max_tokens = serializers.IntegerField(
-        required=False, min_value=1, max_value=MAX_TOKENS,
-        help_text=f"n x max_tokens (x prompts) at most {settings.MAX_REQUEST_TOKENS}.",
-    )
-    temperature = serializers.FloatField(required=False, min_value=0, max_value=2)
-    top_p = serializers.FloatField(required=False, min_value=0, max_value=1)
-    top_k = serializers.IntegerField(required=False, min_value=-1, max_value=MAX_TOP_K)
-    min_p = serializers.FloatField(required=False, min_value=0, max_value=1)
-    presence_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2)
-    frequency_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2)
-    repetition_penalty = serializers.FloatField(required=False, min_value=0, max_value=10)
-    # Choice i of a seeded request samples with seed + i, so the top MAX_N seeds are refused.
-    seed = serializers.IntegerField(required=False, min_value=-(2**63), max_value=2**63 - 1 - protocol.MAX_N)
+    n = _bounded("n", help_text="Each choice takes one of the tier's concurrent generations.")
+    max_tokens = _bounded("max_tokens", settings.MAX_REQUEST_TOKENS, help_text=f"n x max_tokens (x prompts) at most {settings.MAX_REQUEST_TOKENS}.")
+    temperature = _bounded("temperature")
+    top_p = _bounded("top_p")
+    top_k = _bounded("top_k")
+    min_p = _bounded("min_p")
+    presence_penalty = _bounded("presence_penalty")
+    frequency_penalty = _bounded("frequency_penalty")
+    repetition_penalty = _bounded("repetition_penalty")
+    seed = _bounded("seed", help_text=f"Choice i samples with seed + i, so the top {MAX_N} seeds are refused.")
     stop = StopField(required=False, help_text=f"A string or up to {settings.MAX_STOP} strings, "
                                                f"each of at most {settings.MAX_STOP_CHARS} characters.")
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
@@ -106,10 +109,8 @@ class _Sampling(serializers.Serializer):
     ignore_eos = serializers.BooleanField(required=False)
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptions(required=False)
-    priority = serializers.IntegerField(
-        required=False, min_value=0, max_value=2,
-        help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. Never better than the key's tier.",
-    )
+    priority = _bounded("priority", help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. "
+                                              "Never better than the key's tier.")
     user = serializers.CharField(required=False)
 
 
@@ -117,22 +118,19 @@ class ChatCompletionRequest(_Sampling):
     messages = ChatMessage(many=True, help_text=(
         f"At least one message, not all of them empty; at most {settings.MAX_MESSAGES} messages "
         f"of {settings.MAX_PROMPT_CHARS} characters together."))
-    max_completion_tokens = serializers.IntegerField(
-        required=False, min_value=1, max_value=MAX_TOKENS,
-        help_text=f"n x max_completion_tokens at most {settings.MAX_REQUEST_TOKENS}.",
-    )
+    max_completion_tokens = _bounded("max_completion_tokens", settings.MAX_REQUEST_TOKENS,
+                                     help_text=f"n x max_completion_tokens at most {settings.MAX_REQUEST_TOKENS}.")
     logprobs = serializers.BooleanField(required=False)
-    top_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=MAX_LOGPROBS,
-                                            help_text=f"n x top_logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
+    top_logprobs = _bounded("top_logprobs", settings.MAX_REQUEST_LOGPROBS, help_text=f"n x top_logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
 
 
 class CompletionRequest(_Sampling):
     prompt = PromptField(help_text=(
         "A string, an array of strings, an array of token ids, or an array of such arrays; text prompts of at "
         f"most {settings.MAX_PROMPT_CHARS} characters together, at most {settings.MAX_CHOICES} choices (prompts x n)."))
-    logprobs = serializers.IntegerField(required=False, min_value=0, max_value=protocol.MAX_COMPLETION_LOGPROBS,
-                                        help_text=f"n x prompts x logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
+    logprobs = _bounded("logprobs", settings.MAX_REQUEST_LOGPROBS, help_text=f"n x prompts x logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
     echo = serializers.BooleanField(required=False)
+    best_of = _bounded("best_of", help_text="Accepted only equal to n.")
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -311,16 +309,17 @@ class EngineStatsDoc(_Documented):
 
 def close_request_bodies(result: dict, generator, request, public) -> dict:
     """drf-spectacular postprocessing hook: what serializer fields cannot say. Request bodies
-    take only the fields they list, a chat takes 1..MAX_MESSAGES messages, and top_p and
-    repetition_penalty must be above 0 (OpenAPI 3.0's boolean exclusiveMinimum), and the bounds
+    take only the fields they list, a chat takes 1..MAX_MESSAGES messages, ranges open at their low
+    end (top_p, repetition_penalty) get OpenAPI 3.0's boolean exclusiveMinimum, and the bounds
     over several fields (`x-request-bounds`)."""
     schemas = result.get("components", {}).get("schemas", {})
     schemas["StreamOptionsRequest"]["additionalProperties"] = False
     for name in ("ChatCompletionRequestRequest", "CompletionRequestRequest"):
         schemas[name]["additionalProperties"] = False
         schemas[name]["x-request-bounds"] = dict(REQUEST_BOUNDS)
-        for field in ("top_p", "repetition_penalty"):
-            schemas[name]["properties"][field]["exclusiveMinimum"] = True
+        for field, schema in schemas[name]["properties"].items():
+            if field in LIMITS and LIMITS[field].low_open:
+                schema["exclusiveMinimum"] = True
     schemas["ChatCompletionRequestRequest"]["properties"]["messages"].update(minItems=1, maxItems=settings.MAX_MESSAGES)
     # WebSocket /ws/v1/chat has no OpenAPI operation; its bounds are published beside the others.
     result.setdefault("info", {})["x-websocket-bounds"] = {

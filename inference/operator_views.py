@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
@@ -18,7 +20,6 @@ from inference.service_tokens import is_metrics_token, is_operator_token
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
-LANES = (0, 1, 2)  # as the engine's stats name them: "P0", "P1", "P2"
 
 
 def _is_loopback(request: HttpRequest) -> bool:
@@ -41,41 +42,40 @@ def _refusal(request: HttpRequest, token: str) -> JsonResponse:
 
 
 def engine_stats_payload() -> dict:
-    """The engine's state in the shape operators and the console read."""
+    """The engine's state in the shape operators and the console read (GET /api/v1/engine/stats)."""
     state = host.state
     try:
         stats = host.engine().stats()
     except EngineUnavailable:
         return {"state": state, "ready": False, "error": host.error or None}
-    lanes = stats.get("lanes", {})
-    by_lane = {str(lane): lanes.get(f"P{lane}", {}) for lane in LANES}
+    lanes = {str(int(lane)): dataclasses.asdict(counts) for lane, counts in stats.lanes.items()}
     return {
         "state": state,
-        "ready": stats.get("ready", False),
-        "kv_blocks_total": stats["blocks_total"],
-        "kv_blocks_free": stats["blocks_free"],
-        "kv_blocks_cached": stats["blocks_cached"],
-        "kv_blocks_used": stats["blocks_used"],
-        "kv_block_size": stats["block_size"],
-        "swap_blocks_total": stats["swap_blocks_total"],
-        "swap_blocks_used": stats["swap_blocks_used"],
-        "requests_running": stats["running"],
-        "requests_swapped": stats["swapped"],
-        "requests_waiting": {lane: counts.get("waiting", 0) for lane, counts in by_lane.items()},
-        "lanes": by_lane,
-        "requests_in_flight": stats.get("in_flight", 0),
-        "preemptions": stats["preemptions"],
-        "preemptions_by_mode": {"recompute": stats["preemptions_recompute"], "swap": stats["preemptions_swap"]},
-        "tokens_per_s": stats["tokens_per_s"],
-        "steps": stats["steps"],
-        "prompt_tokens": stats["prompt_tokens"],
-        "computed_tokens": stats["computed_tokens"],
-        "prefix_hit_tokens": stats["prefix_hit_tokens"],
-        "generated_tokens": stats["generated_tokens"],
-        "finished_requests": stats["finished_requests"],
-        "aborted_requests": stats["aborted_requests"],
-        "step_errors": stats.get("step_errors", 0),
-        "restarts": stats.get("restarts", 0),
+        "ready": stats.ready,
+        "kv_blocks_total": stats.blocks_total,
+        "kv_blocks_free": stats.blocks_free,
+        "kv_blocks_cached": stats.blocks_cached,
+        "kv_blocks_used": stats.blocks_used,
+        "kv_block_size": stats.block_size,
+        "swap_blocks_total": stats.swap_blocks_total,
+        "swap_blocks_used": stats.swap_blocks_used,
+        "requests_running": stats.running,
+        "requests_swapped": stats.swapped,
+        "requests_waiting": {lane: counts["waiting"] for lane, counts in lanes.items()},
+        "lanes": lanes,
+        "requests_in_flight": stats.in_flight,
+        "preemptions": stats.preemptions,
+        "preemptions_by_mode": {"recompute": stats.preemptions_recompute, "swap": stats.preemptions_swap},
+        "tokens_per_s": stats.tokens_per_s,
+        "steps": stats.steps,
+        "prompt_tokens": stats.prompt_tokens,
+        "computed_tokens": stats.computed_tokens,
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "finished_requests": stats.finished_requests,
+        "aborted_requests": stats.aborted_requests,
+        "step_errors": stats.step_errors,
+        "restarts": stats.restarts,
         # Not the engine's, but what its streams cost this process: bytes their clients have
         # not taken, and clients disconnected for taking nothing (STREAM_STALL_S).
         "streams": stream_buffers(),

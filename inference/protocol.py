@@ -3,8 +3,8 @@
 `parse_body` turns raw bytes into a JSON object; `parse_chat` / `parse_completion` turn
 that object into a `GenerationRequest`. Every problem is an `ApiError` (400, OpenAI
 error shape) naming the parameter at fault, so no bad input reaches the engine. The
-sampling limits themselves are the engine's (`SamplingParams.validate`), translated here
-into the same error shape.
+numeric ranges are the engine's one table (`inference.engine.api.LIMITS`), which the engine's
+`SamplingParams` checks too and `inference.openapi` publishes.
 
 The bounds on what a request may cost (stop strings, messages, prompt size, n x max_tokens,
 logprobs x n, prompts x n) are settings (config/settings.py, "request bounds"), read here
@@ -24,13 +24,10 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.engine.errors import InvalidRequestError
-from inference.engine.sequence import MAX_LOGPROBS, SamplingParams
+from inference.engine.api import LIMITS, InvalidRequestError, SamplingParams
 from tenants.errors import ApiError
 
-MAX_N = 16
-MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
-MAX_PROMPTS = 64
+MAX_PROMPTS = 64  # text or token-id prompts of one completion request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _SAMPLING_FIELDS = (
@@ -165,27 +162,29 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(data: dict, name: str, low: int, high: int, default: Any = None) -> Any:
+def _int(data: dict, name: str, default: Any = None) -> Any:
     value = data.get(name)
     if value is None:
         return default
     if not _is_int(value):
         raise bad_request(f"'{name}' must be an integer, not {_type_name(value)}.", name, "invalid_type")
-    value = int(value)
-    if not low <= value <= high:
-        raise bad_request(f"'{name}' must be between {low} and {high}, got {value}.", name, "invalid_value")
-    return value
+    return _in_range(name, int(value))
 
 
-def _number(data: dict, name: str, low: float, high: float) -> float | None:
+def _number(data: dict, name: str) -> float | None:
     value = data.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad_request(f"'{name}' must be a number, not {_type_name(value)}.", name, "invalid_type")
-    if not low <= value <= high:
-        raise bad_request(f"'{name}' must be between {low:g} and {high:g}, got {value:g}.", name, "invalid_value")
-    return float(value)
+    return float(_in_range(name, value))
+
+
+def _in_range(name: str, value: int | float) -> int | float:
+    limit = LIMITS[name]
+    if value not in limit:
+        raise bad_request(f"'{name}' must be {limit.describe()}, got {value:g}.", name, "invalid_value")
+    return value
 
 
 def _bool(data: dict, name: str, default: bool = False) -> bool:
@@ -249,24 +248,14 @@ def _stop_token_ids(data: dict) -> tuple[int, ...]:
 
 def _sampling(data: dict) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    ranges = {
-        "temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
-        "frequency_penalty": (-2, 2), "repetition_penalty": (0, 10),
-    }
-    for name, (low, high) in ranges.items():
-        value = _number(data, name, low, high)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _number(data, name)
         if value is not None:
             params[name] = value
-    if params.get("top_p") == 0:
-        raise bad_request("'top_p' must be greater than 0.", "top_p", "invalid_value")
-    if params.get("repetition_penalty") == 0:
-        raise bad_request("'repetition_penalty' must be greater than 0.", "repetition_penalty", "invalid_value")
-    top_k = _int(data, "top_k", -1, 1_000_000)
-    if top_k is not None:
-        params["top_k"] = top_k
-    seed = _int(data, "seed", -(2**63), 2**63 - 1 - MAX_N)
-    if seed is not None:
-        params["seed"] = seed
+    for name in ("top_k", "seed"):
+        value = _int(data, name)
+        if value is not None:
+            params[name] = value
     params["stop"] = _stop(data)
     params["stop_token_ids"] = _stop_token_ids(data)
     params["ignore_eos"] = _bool(data, "ignore_eos")
@@ -299,11 +288,11 @@ def _common(data: dict) -> dict[str, Any]:
         raise bad_request("'metadata' must be an object.", "metadata", "invalid_type")
     return {
         "model": _model(data),
-        "n": _int(data, "n", 1, MAX_N, default=1),
+        "n": _int(data, "n", default=1),
         "params": _sampling(data),
         "stream": stream,
         "include_usage": include_usage,
-        "priority": _int(data, "priority", 0, 2),
+        "priority": _int(data, "priority"),
     }
 
 
@@ -312,7 +301,7 @@ def _max_tokens(data: dict, *names: str) -> int | None:
     if len(given) > 1 and data[given[0]] != data[given[1]]:
         raise bad_request(f"Send either '{given[0]}' or '{given[1]}', not both.", given[1], "invalid_value")
     for name in given:
-        return _int(data, name, 1, 1_000_000)
+        return _int(data, name)
     return None
 
 
@@ -408,7 +397,7 @@ def parse_chat(data: dict) -> GenerationRequest:
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format", "unsupported_parameter")
     logprobs = _bool(data, "logprobs")
-    top = _int(data, "top_logprobs", 0, MAX_LOGPROBS)
+    top = _int(data, "top_logprobs")
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs", "invalid_value")
     messages = _messages(data)
@@ -469,7 +458,7 @@ def parse_completion(data: dict) -> GenerationRequest:
     _check_fields(data, COMPLETION_FIELDS)
     _unsupported(data, "suffix", "")
     common = _common(data)
-    best_of = _int(data, "best_of", 1, MAX_N)
+    best_of = _int(data, "best_of")
     if best_of is not None and best_of != common["n"]:
         raise bad_request("'best_of' different from 'n' is not supported by this server.", "best_of", "unsupported_parameter")
     prompts = _prompts(data)
@@ -478,7 +467,7 @@ def parse_completion(data: dict) -> GenerationRequest:
         raise bad_request(f"At most {settings.MAX_CHOICES} choices per request (prompts x n), got {choices}.",
                           "n", "invalid_value")
     max_tokens = _max_tokens(data, "max_tokens")
-    logprobs = _int(data, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    logprobs = _int(data, "logprobs")
     _check_totals(choices, max_tokens, "max_tokens", logprobs, "logprobs")
     return GenerationRequest(
         kind="completion",

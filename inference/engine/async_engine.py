@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 
 from inference.engine.engine import LLMEngine
 from inference.engine.errors import EngineError
-from inference.engine.metrics import EngineMetrics, lane_name
-from inference.engine.sequence import LANES, RequestOutput, SamplingParams, Sequence
+from inference.engine.api import EngineStats, Lane, RequestOutput, SamplingParams
+from inference.engine.metrics import EngineMetrics
+from inference.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self._step_errors = 0
         self._restarts = 0
-        self._snapshot: dict = {}
+        self._snapshot = EngineStats()
         # The engine thread's heartbeat: when its current loop iteration began, or None while
         # it waits for work. Written by the engine thread only; read by readiness probes.
         self._busy_since: float | None = None
@@ -296,7 +297,7 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         *,
-        lane: int = 1,
+        lane: int = Lane.NEAR_REALTIME,
         tenant_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
@@ -320,10 +321,9 @@ class AsyncEngine:
         """Abort from any thread; the request's blocks are free before the next step."""
         self._post(_Abort(request_id))
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """The snapshot the engine thread published after its last iteration."""
-        snap = self._snapshot
-        return {**snap, "lanes": {lane: dict(c) for lane, c in snap.get("lanes", {}).items()}, "ready": self.is_ready()}
+        return dataclasses.replace(self._snapshot, ready=self.is_ready())
 
     def _post(self, command) -> None:
         with self._cond:
@@ -535,24 +535,8 @@ class AsyncEngine:
             self.metrics.reset_totals()
 
     def _publish(self) -> None:
-        engine = self.engine
-        stats = engine.stats()
-        # Per-lane counts from the queues themselves, merged over whatever per-lane detail the
-        # engine reports (e.g. aged_up), so they hold with or without the engine's own.
-        lanes = {name: dict(counts) for name, counts in stats.get("lanes", {}).items()}
-        scheduler = engine.scheduler
-        queues = ("waiting", "running", "swapped")
-        for lane in LANES:
-            lanes.setdefault(lane_name(lane), {}).update(dict.fromkeys(queues, 0))
-        for key in queues:
-            for seq in getattr(scheduler, key, ()):
-                lanes.setdefault(lane_name(seq.lane), dict.fromkeys(queues, 0))[key] += 1
-        stats.update(
-            lanes=lanes,
-            in_flight=len(self._states),
-            step_errors=self._step_errors,
-            restarts=self._restarts,
-        )
+        stats = dataclasses.replace(self.engine.stats(), in_flight=len(self._states), step_errors=self._step_errors,
+                        restarts=self._restarts)
         self._snapshot = stats
         if self.metrics:
             self.metrics.observe_stats(stats)

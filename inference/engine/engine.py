@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -21,7 +22,8 @@ from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
 from inference.engine.scheduler import Scheduler
-from inference.engine.sequence import LANES, RequestOutput, SamplingParams, Sequence
+from inference.engine.api import EngineStats, Lane, LaneStats, RequestOutput, SamplingParams
+from inference.engine.sequence import Sequence
 from inference.engine.stops import StopMatcher
 from inference.engine.tokenizer import Tokenizer
 
@@ -93,7 +95,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        lane: int = 1,
+        lane: int = Lane.NEAR_REALTIME,
         tenant_id: str | None = None,
         admission_control: bool = True,
     ) -> Sequence:
@@ -102,8 +104,9 @@ class LLMEngine:
 
         `admission_control=False` skips the lane's queue limits (offline `generate`)."""
         params = params or SamplingParams()
-        if lane not in LANES:
-            raise InvalidRequestError(f"lane must be one of {LANES}", param="priority")
+        if lane not in iter(Lane):
+            raise InvalidRequestError(f"lane must be one of {[int(x) for x in Lane]}", param="priority")
+        lane = Lane(lane)
         if admission_control:
             self._admission_control(lane, tenant_id)
         if not isinstance(request_id, str) or not request_id:
@@ -352,41 +355,38 @@ class LLMEngine:
             for s in seqs
         ]
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
         c = self.counters
         sched = self.scheduler
         now = self.clock()
-        lanes = {}
-        for lane in LANES:
-            lanes[f"P{lane}"] = {
-                "waiting": sum(1 for s in sched.waiting if s.lane == lane),
-                "running": sum(1 for s in sched.running if s.lane == lane),
-                "swapped": sum(1 for s in sched.swapped if s.lane == lane),
-                # waiting requests whose effective lane has risen above their own
-                "aged_up": sum(1 for s in sched.waiting if sched.policy.effective_lane(s, now) < s.lane),
-            }
-        return {
-            "lanes": lanes,
-            "swapped": len(sched.swapped),
-            "swap_blocks_total": bm.swap.num_blocks,
-            "swap_blocks_used": bm.swap.num_used_blocks,
-            "preemptions_recompute": sched.preemptions["recompute"],
-            "preemptions_swap": sched.preemptions["swap"],
-            "tokens_per_s": self.tokens_per_s,
-            "blocks_total": bm.num_blocks,
-            "blocks_free": bm.num_free_blocks,
-            "blocks_used": bm.num_used_blocks,
-            "blocks_cached": bm.num_cached_blocks,
-            "block_size": bm.block_size,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            "steps": c.steps,
-            "prompt_tokens": c.prompt_tokens,
-            "computed_tokens": c.computed_tokens,
-            "prefix_hit_tokens": c.prefix_hit_tokens,
-            "generated_tokens": c.generated_tokens,
-            "finished_requests": c.finished_requests,
-            "aborted_requests": c.aborted_requests,
-        }
+        lanes = {lane: LaneStats(
+            waiting=sum(1 for s in sched.waiting if s.lane == lane),
+            running=sum(1 for s in sched.running if s.lane == lane),
+            swapped=sum(1 for s in sched.swapped if s.lane == lane),
+            aged_up=sum(1 for s in sched.waiting if sched.policy.effective_lane(s, now) < s.lane),
+        ) for lane in Lane}
+        return EngineStats(
+            lanes=MappingProxyType(lanes),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            swapped=len(sched.swapped),
+            blocks_total=bm.num_blocks,
+            blocks_free=bm.num_free_blocks,
+            blocks_used=bm.num_used_blocks,
+            blocks_cached=bm.num_cached_blocks,
+            block_size=bm.block_size,
+            swap_blocks_total=bm.swap.num_blocks,
+            swap_blocks_used=bm.swap.num_used_blocks,
+            preemptions=sched.num_preemptions,
+            preemptions_recompute=sched.preemptions["recompute"],
+            preemptions_swap=sched.preemptions["swap"],
+            tokens_per_s=self.tokens_per_s,
+            steps=c.steps,
+            prompt_tokens=c.prompt_tokens,
+            computed_tokens=c.computed_tokens,
+            prefix_hit_tokens=c.prefix_hit_tokens,
+            generated_tokens=c.generated_tokens,
+            finished_requests=c.finished_requests,
+            aborted_requests=c.aborted_requests,
+        )

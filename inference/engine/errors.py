@@ -11,6 +11,11 @@ class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
 
 
+class ConfigError(EngineError, ValueError):
+    """The engine cannot be built as configured (unknown device, kernels, dtype...): an
+    operator's mistake, reported at start-up, never a tenant's 400."""
+
+
 class InvalidRequestError(EngineError, ValueError):
     """The request can never be served as given (bad parameter, prompt too long...)."""
 

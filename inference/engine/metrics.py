@@ -27,20 +27,15 @@ tenants are a bounded, operator-created set, not per-user values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from inference.engine.api import EngineStats, Lane
 
 # 10 ms .. 60 s: a P0 first token aims under 500 ms, a P2 one may wait for minutes behind
 # interactive traffic (everything past 60 s lands in +Inf, which still counts it).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 PREEMPTION_MODES = ("recompute", "swap")
 NO_TENANT = "none"
-
-
-def lane_name(lane: int) -> str:
-    """The lane as the platform names it (P0 realtime, P1 near-realtime, P2 batch)."""
-    return f"P{lane}"
 
 
 class EngineMetrics:
@@ -71,22 +66,19 @@ class EngineMetrics:
 
     # -- fed by the engine thread --------------------------------------------------------------
 
-    def observe_stats(self, stats: Mapping) -> None:
+    def observe_stats(self, stats: EngineStats) -> None:
         """Gauges and counters from one `AsyncEngine.stats()` snapshot."""
-        for lane, counts in stats.get("lanes", {}).items():  # keyed by lane_name()
-            self.waiting.labels(lane=lane).set(counts.get("waiting", 0))
-            self.running.labels(lane=lane).set(counts.get("running", 0))
-            self.swapped.labels(lane=lane).set(counts.get("swapped", 0))
-        self.blocks_total.set(stats.get("blocks_total", 0))
-        self.blocks_free.set(stats.get("blocks_free", 0))
-        self.blocks_cached.set(stats.get("blocks_cached", 0))
-        self.swap_blocks_used.set(stats.get("swap_blocks_used", 0))
-        if "preemptions_swap" in stats or "preemptions_recompute" in stats:
-            self._add_delta("preemptions_swap", stats.get("preemptions_swap", 0), self.preemptions.labels(mode="swap"))
-            self._add_delta("preemptions_recompute", stats.get("preemptions_recompute", 0), self.preemptions.labels(mode="recompute"))
-        else:  # an engine without swap preempts by recompute only
-            self._add_delta("preemptions", stats.get("preemptions", 0), self.preemptions.labels(mode="recompute"))
-        self._add_delta("prefix_hit_tokens", stats.get("prefix_hit_tokens", 0), self.prefix_hit_tokens)
+        for lane, counts in stats.lanes.items():
+            self.waiting.labels(lane=lane.label).set(counts.waiting)
+            self.running.labels(lane=lane.label).set(counts.running)
+            self.swapped.labels(lane=lane.label).set(counts.swapped)
+        self.blocks_total.set(stats.blocks_total)
+        self.blocks_free.set(stats.blocks_free)
+        self.blocks_cached.set(stats.blocks_cached)
+        self.swap_blocks_used.set(stats.swap_blocks_used)
+        self._add_delta("preemptions_swap", stats.preemptions_swap, self.preemptions.labels(mode="swap"))
+        self._add_delta("preemptions_recompute", stats.preemptions_recompute, self.preemptions.labels(mode="recompute"))
+        self._add_delta("prefix_hit_tokens", stats.prefix_hit_tokens, self.prefix_hit_tokens)
 
     def _add_delta(self, key: str, total: int, counter) -> None:
         last = self._last_totals.get(key, 0)
@@ -105,12 +97,12 @@ class EngineMetrics:
             self.generation_tokens.labels(tenant=tenant_id or NO_TENANT).inc(n)
 
     def observe_first_token(self, lane: int, seconds: float) -> None:
-        self.ttft.labels(lane=lane_name(lane)).observe(max(0.0, seconds))
+        self.ttft.labels(lane=Lane(lane).label).observe(max(0.0, seconds))
 
     def observe_finished(self, lane: int, reason: str | None, num_tokens: int, first_at: float | None, last_at: float | None) -> None:
         self.finished.labels(reason=reason or "unknown").inc()
         if num_tokens >= 2 and first_at is not None and last_at is not None:
-            self.tpot.labels(lane=lane_name(lane)).observe(max(0.0, (last_at - first_at) / (num_tokens - 1)))
+            self.tpot.labels(lane=Lane(lane).label).observe(max(0.0, (last_at - first_at) / (num_tokens - 1)))
 
     # -- read by the endpoint -------------------------------------------------------------------
 

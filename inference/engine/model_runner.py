@@ -15,7 +15,8 @@ import torch
 from inference.engine.models.llama import LlamaModel
 from inference.engine.sampler import sample
 from inference.engine.scheduler import ScheduledSeq, SchedulerOutput
-from inference.engine.sequence import Sequence, TokenLogprob
+from inference.engine.api import TokenLogprob
+from inference.engine.sequence import Sequence
 from kernels import PagedAttentionMetadata
 
 

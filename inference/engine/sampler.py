@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 import kernels
-from inference.engine.sequence import Sequence, TokenLogprob
+from inference.engine.api import TokenLogprob
+from inference.engine.sequence import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:

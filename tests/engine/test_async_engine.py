@@ -17,7 +17,7 @@ import pytest
 
 from inference.engine.async_engine import AsyncEngine, EngineNotRunningError
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import Lane, LaneStats, SamplingParams
 from tests.engine import tiny
 from tests.engine.tiny import GREEDY, VOCAB, make_seq, one_thread
 
@@ -78,7 +78,7 @@ async def until(predicate, timeout: float = 5.0, what: str = "condition") -> Non
 
 def idle(ae: AsyncEngine) -> bool:
     s = ae.stats()
-    return s["blocks_free"] == s["blocks_total"] and s["running"] == 0 and s["waiting"] == 0 and s["in_flight"] == 0
+    return s.blocks_free == s.blocks_total and s.running == 0 and s.waiting == 0 and s.in_flight == 0
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_a_slow_reader_gets_merged_deltas_with_every_token(serve):
 
     async def main():
         stream = await ae.submit("slow", prompt, greedy(40))
-        await until(lambda: ae.stats()["in_flight"] == 0, what="the request to finish unread")
+        await until(lambda: ae.stats().in_flight == 0, what="the request to finish unread")
         tokens, outputs = await collect(stream)
         assert tokens == expected
         # Whatever arrived before the first read comes as one delta (the last may follow on its own).
@@ -191,7 +191,7 @@ def test_invalid_requests_raise_at_submit_and_the_engine_serves_on(serve, prompt
         assert tokens == expected
 
     run(main())
-    assert ae.stats()["in_flight"] == 0
+    assert ae.stats().in_flight == 0
 
 
 def test_duplicate_request_id_is_refused_while_in_flight_and_the_first_is_untouched(serve):
@@ -230,7 +230,7 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_every_block(serve):
         assert outputs[-1].finished and outputs[-1].finish_reason == "abort" and outputs[-1].error is None
         assert 0 < len(tokens) < 200 and tokens == expected[: len(tokens)]
         await until(lambda: idle(ae), what="every block free")
-        assert ae.engine.stats()["aborted_requests"] == 1
+        assert ae.engine.stats().aborted_requests == 1
 
     run(main())
 
@@ -258,7 +258,7 @@ def test_aclose_aborts_the_request(serve):
         with pytest.raises(StopAsyncIteration):
             await stream.__anext__()
         await until(lambda: idle(ae), what="every block free")
-        assert ae.engine.stats()["aborted_requests"] == 1
+        assert ae.engine.stats().aborted_requests == 1
 
     run(main())
 
@@ -291,7 +291,7 @@ def test_final_of_a_finished_stream_is_its_last_output(serve):
         tokens, outputs = await collect(stream)
         final = await stream.final()
         assert final is outputs[-1] and final.num_output_tokens == len(tokens) == 5
-        assert ae.engine.stats()["aborted_requests"] == 0
+        assert ae.engine.stats().aborted_requests == 0
 
     run(main())
 
@@ -313,7 +313,7 @@ def test_cancelling_the_reading_task_aborts_the_request(serve):
         with pytest.raises(asyncio.CancelledError):
             await task
         await until(lambda: idle(ae), what="every block free")
-        assert ae.engine.stats()["aborted_requests"] == 1
+        assert ae.engine.stats().aborted_requests == 1
 
     run(main())
 
@@ -325,7 +325,7 @@ def test_breaking_out_of_async_for_aborts_the_request(serve):
         async for _ in await ae.submit("b", [2, 7, 1, 8], greedy(200)):
             break
         await until(lambda: idle(ae), what="every block free")
-        assert ae.engine.stats()["aborted_requests"] == 1
+        assert ae.engine.stats().aborted_requests == 1
 
     run(main())
 
@@ -339,9 +339,9 @@ def test_a_request_nobody_reads_is_aborted_when_its_lease_expires(serve):
         stream = await ae.submit("orphan", [9, 8, 7], greedy(400))
         clock.advance(4.0)
         await asyncio.sleep(0.02)
-        assert ae.stats()["in_flight"] == 1  # within the lease
+        assert ae.stats().in_flight == 1  # within the lease
         clock.advance(2.0)
-        await until(lambda: ae.stats()["in_flight"] == 0, what="the lease to expire")
+        await until(lambda: ae.stats().in_flight == 0, what="the lease to expire")
         tokens, outputs = await collect(stream)
         assert outputs[-1].finish_reason == "abort" and "lease" in outputs[-1].error
         assert len(tokens) < 400
@@ -375,7 +375,7 @@ def test_a_failed_step_fails_the_requests_in_it_and_the_engine_serves_on(serve):
         tokens, _ = await collect(await ae.submit("c", prompts[2], GREEDY))
         assert tokens == expected[2]
         await until(lambda: idle(ae), what="every block free")
-        assert ae.stats()["step_errors"] == 1 and ae.stats()["restarts"] == 0
+        assert ae.stats().step_errors == 1 and ae.stats().restarts == 0
 
     run(main())
 
@@ -390,7 +390,7 @@ def test_an_engine_that_keeps_failing_is_rebuilt(serve):
         for i in range(3):
             _, outputs = await collect(await ae.submit(f"f{i}", [3, 3], GREEDY))
             assert outputs[-1].finish_reason == "error"
-        await until(lambda: ae.stats()["restarts"] == 1, what="a restart")
+        await until(lambda: ae.stats().restarts == 1, what="a restart")
         assert ae.engine is not engine and ae.is_ready()
         tokens, _ = await collect(await ae.submit("ok", [3, 3], GREEDY))
         assert tokens == expected
@@ -410,7 +410,7 @@ def test_a_failure_that_leaks_blocks_rebuilds_the_engine(serve):
     async def main():
         _, outputs = await collect(await ae.submit("x", [5, 5, 5], GREEDY))
         assert outputs[-1].finish_reason == "error"
-        await until(lambda: ae.stats()["restarts"] == 1, what="a restart")
+        await until(lambda: ae.stats().restarts == 1, what="a restart")
         tokens, _ = await collect(await ae.submit("y", [5, 5, 5], GREEDY))
         assert tokens == expected
         await until(lambda: idle(ae), what="every block of the new engine free")
@@ -430,7 +430,7 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(serve):
         assert not ae.is_ready()
         with pytest.raises(EngineNotRunningError):
             await ae.submit("late", [1], GREEDY)
-        assert ae.engine.stats()["blocks_free"] == ae.engine.stats()["blocks_total"]
+        assert ae.engine.stats().blocks_free == ae.engine.stats().blocks_total
 
     run(main())
 
@@ -471,7 +471,7 @@ def test_hundred_concurrent_requests_with_every_tenth_aborted(serve):
             else:
                 assert tokens == expected[i] and last.finish_reason == "length", i
         await until(lambda: idle(ae), what="every block free")
-        assert ae.engine.stats()["aborted_requests"] == len(doomed)
+        assert ae.engine.stats().aborted_requests == len(doomed)
 
     run(main(), timeout=25)
 
@@ -485,18 +485,18 @@ def test_stats_count_sequences_per_lane(serve):
     async def main():
         # Held, not read: a stream that is dropped aborts its request.
         streams = [await ae.submit("p0", [1, 2], greedy(400), lane=0), await ae.submit("p2", [3, 4], greedy(400), lane=2)]
-        await until(lambda: ae.stats()["in_flight"] == 2 and ae.stats()["lanes"]["P0"]["running"] == 1, what="P0 running")
-        lanes = ae.stats()["lanes"]
+        await until(lambda: ae.stats().in_flight == 2 and ae.stats().lane(0).running == 1, what="P0 running")
+        lanes = ae.stats().lanes
         # Lane P0 goes first; P2 waits (or sits swapped out) behind it.
-        assert lanes["P0"] == {**lanes["P0"], "running": 1, "waiting": 0, "swapped": 0}
-        assert lanes["P2"]["running"] == 0 and lanes["P2"]["waiting"] + lanes["P2"]["swapped"] == 1
-        assert (lanes["P1"]["waiting"], lanes["P1"]["running"], lanes["P1"]["swapped"]) == (0, 0, 0)
+        assert (lanes[Lane.REALTIME].running, lanes[Lane.REALTIME].waiting, lanes[Lane.REALTIME].swapped) == (1, 0, 0)
+        assert lanes[Lane.BATCH].running == 0 and lanes[Lane.BATCH].waiting + lanes[Lane.BATCH].swapped == 1
+        assert lanes[Lane.NEAR_REALTIME] == LaneStats()
         for stream in streams:
             await stream.aclose()
         await until(lambda: idle(ae))
 
     run(main())
-    assert ae.is_ready() and ae.stats()["ready"]
+    assert ae.is_ready() and ae.stats().ready
 
 
 def test_the_async_engine_imports_nothing_from_django():

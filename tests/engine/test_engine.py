@@ -15,7 +15,7 @@ import pytest
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 from tests.engine.tiny import (
     GREEDY,
     TINY,
@@ -80,9 +80,9 @@ def test_greedy_output_survives_preemption():
     seqs = [engine.add_request(f"r{i}", p, params, arrival_time=float(i)) for i, p in enumerate(prompts)]
     outputs = run_to_completion(engine)
     assert seqs[-1].num_preemptions > 0
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     assert [tokens_of(outputs[f"r{i}"]) for i in range(4)] == expected
-    assert engine.stats()["blocks_free"] == 16
+    assert engine.stats().blocks_free == 16
 
 
 def test_seeded_sampling_is_the_same_alone_in_a_batch_and_after_preemption():
@@ -139,8 +139,8 @@ def test_prefix_hit_computes_only_the_tokens_after_the_cached_blocks():
     outputs = run_to_completion(engine)
     after = engine.stats()
     # Blocks 0 and 1 (32 tokens) come from the cache; 8 prompt tokens and 3 decodes are computed.
-    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 32
-    assert after["computed_tokens"] - before["computed_tokens"] == 8 + 3
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 32
+    assert after.computed_tokens - before.computed_tokens == 8 + 3
     assert outputs["second"][-1].num_cached_tokens == 32
     assert tokens_of(outputs["second"]) == alone(second, params, block_size=16, enable_prefix_caching=False)
 
@@ -155,8 +155,8 @@ def test_a_fully_cached_prompt_still_computes_its_last_block():
     engine.add_request("again", prompt, params)
     outputs = run_to_completion(engine)
     after = engine.stats()
-    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 16
-    assert after["computed_tokens"] - before["computed_tokens"] == 16 + 3
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 16
+    assert after.computed_tokens - before.computed_tokens == 16 + 3
     assert tokens_of(outputs["again"]) == expected
 
 
@@ -172,7 +172,7 @@ def test_an_evicted_prefix_is_recomputed_to_the_same_tokens():
     before = engine.stats()
     engine.add_request("again", prompt, params)
     outputs = run_to_completion(engine)
-    assert engine.stats()["prefix_hit_tokens"] == before["prefix_hit_tokens"]
+    assert engine.stats().prefix_hit_tokens == before.prefix_hit_tokens
     assert tokens_of(outputs["again"]) == expected
 
 
@@ -186,7 +186,7 @@ def test_requests_sharing_a_prompt_in_the_same_step_get_their_own_answers():
     outputs = run_to_completion(engine)
     for rid, p in variants.items():
         assert tokens_of(outputs[rid]) == alone(p, params), rid
-    assert engine.stats()["blocks_free"] == 64
+    assert engine.stats().blocks_free == 64
     engine.block_manager.check_invariants([])
 
 
@@ -200,16 +200,16 @@ def test_different_cache_salts_share_no_block():
     engine.step()
     assert a.block_table and b.block_table
     assert not set(a.block_table) & set(b.block_table)
-    assert engine.stats()["prefix_hit_tokens"] == 0
+    assert engine.stats().prefix_hit_tokens == 0
     outputs = run_to_completion(engine)
-    assert engine.stats()["prefix_hit_tokens"] == 0
+    assert engine.stats().prefix_hit_tokens == 0
     assert outputs["tenant-b"][-1].num_cached_tokens == 0
 
     # The control: the same tenant again does share.
     c = engine.add_request("tenant-a-again", prompt, params, cache_salt="tenant-a")
     engine.step()
     assert c.num_cached_tokens == 32
-    assert engine.stats()["prefix_hit_tokens"] == 32
+    assert engine.stats().prefix_hit_tokens == 32
 
 
 def test_a_shared_salt_reuses_another_tenants_blocks_without_reporting_them():
@@ -220,10 +220,10 @@ def test_a_shared_salt_reuses_another_tenants_blocks_without_reporting_them():
     engine = tiny_engine(num_blocks=64, block_size=16, max_num_batched_tokens=64)
 
     def send(request_id: str, prompt: list[int], tenant: str) -> tuple[int, int]:
-        hits = engine.stats()["prefix_hit_tokens"]
+        hits = engine.stats().prefix_hit_tokens
         engine.add_request(request_id, prompt, greedy(2), cache_salt="shared-tier", tenant_id=tenant)
         told = run_to_completion(engine)[request_id][-1].num_cached_tokens
-        return told, engine.stats()["prefix_hit_tokens"] - hits
+        return told, engine.stats().prefix_hit_tokens - hits
 
     assert send("a", secret, "A") == (0, 0)
     assert send("b-right", secret, "B") == (0, 32)  # reused, not reported
@@ -255,8 +255,8 @@ def test_abort_frees_every_block_and_the_engine_keeps_serving(steps_before_abort
     assert engine.abort("victim") is None
     outputs = run_to_completion(engine)
     assert "victim" not in outputs
-    assert engine.stats()["blocks_free"] == 64
-    assert engine.stats()["aborted_requests"] == 1
+    assert engine.stats().blocks_free == 64
+    assert engine.stats().aborted_requests == 1
     engine.block_manager.check_invariants([])
     assert early + tokens_of(outputs["neighbour"]) == alone(neighbour, greedy(20))
 
@@ -271,8 +271,8 @@ def test_abort_of_an_unknown_or_finished_request_is_a_no_op():
     engine.add_request("done", [1, 2, 3], greedy(2))
     run_to_completion(engine)
     assert engine.abort("done") is None
-    assert engine.stats()["aborted_requests"] == 0
-    assert engine.stats()["finished_requests"] == 1
+    assert engine.stats().aborted_requests == 0
+    assert engine.stats().finished_requests == 1
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -421,12 +421,12 @@ def test_stats_count_what_happened():
     engine.add_request("b", [6, 7], greedy(2))
     run_to_completion(engine)
     s = engine.stats()
-    assert s["prompt_tokens"] == 7
-    assert s["generated_tokens"] == 5
-    assert s["computed_tokens"] == 7 + 2 + 1  # prompts, then the decodes of all but the last token
-    assert s["finished_requests"] == 2
-    assert s["running"] == s["waiting"] == 0
-    assert s["blocks_free"] == s["blocks_total"] == 64
+    assert s.prompt_tokens == 7
+    assert s.generated_tokens == 5
+    assert s.computed_tokens == 7 + 2 + 1  # prompts, then the decodes of all but the last token
+    assert s.finished_requests == 2
+    assert s.running == s.waiting == 0
+    assert s.blocks_free == s.blocks_total == 64
 
 
 # -- text and stop strings (the real SmolLM2 tokenizer over a tiny model of its vocabulary) ------

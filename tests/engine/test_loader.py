@@ -15,7 +15,7 @@ from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
 from inference.engine import loader
 from inference.engine.loader import load_model
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 from tests.engine.tiny import one_thread
 
 assert one_thread  # an autouse fixture: importing it is what applies it here

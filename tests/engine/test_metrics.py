@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference.engine.async_engine import AsyncEngine
 from inference.engine.metrics import LATENCY_BUCKETS, EngineMetrics
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import EngineStats, Lane, LaneStats, SamplingParams
 from tests.engine import tiny
 from tests.engine.tiny import GREEDY, one_thread
 
@@ -59,29 +59,30 @@ def test_two_instances_keep_separate_registries():
 
 def test_engine_totals_become_counter_increments():
     m = EngineMetrics()
-    m.observe_stats({"preemptions": 2, "prefix_hit_tokens": 16})
-    m.observe_stats({"preemptions": 5, "prefix_hit_tokens": 16})
+    m.observe_stats(EngineStats(preemptions_recompute=2, prefix_hit_tokens=16))
+    m.observe_stats(EngineStats(preemptions_recompute=5, prefix_hit_tokens=16))
     assert value(m, "llm_engine_preemptions_total", mode="recompute") == 5
     assert value(m, "llm_engine_preemptions_total", mode="swap") == 0
     assert value(m, "llm_engine_prefix_cache_hit_tokens_total") == 16
     # A rebuilt engine counts from zero again: its totals add on, nothing goes backwards.
-    m.observe_stats({"preemptions": 1, "prefix_hit_tokens": 4})
+    m.observe_stats(EngineStats(preemptions_recompute=1, prefix_hit_tokens=4))
     assert value(m, "llm_engine_preemptions_total", mode="recompute") == 6
     assert value(m, "llm_engine_prefix_cache_hit_tokens_total") == 20
 
 
-def test_an_engine_with_swap_reports_preemptions_by_mode():
+def test_preemptions_are_counted_by_mode():
     m = EngineMetrics()
-    m.observe_stats({"preemptions": 3, "preemptions_recompute": 2, "preemptions_swap": 1})
-    m.observe_stats({"preemptions": 9, "preemptions_recompute": 5, "preemptions_swap": 4})
+    m.observe_stats(EngineStats(preemptions=3, preemptions_recompute=2, preemptions_swap=1))
+    m.observe_stats(EngineStats(preemptions=9, preemptions_recompute=5, preemptions_swap=4))
     assert value(m, "llm_engine_preemptions_total", mode="swap") == 4
     assert value(m, "llm_engine_preemptions_total", mode="recompute") == 5
 
 
 def test_gauges_follow_the_last_snapshot():
     m = EngineMetrics()
-    lanes = {"P0": {"waiting": 3, "running": 1, "swapped": 0}, "P2": {"waiting": 0, "running": 2, "swapped": 5}}
-    m.observe_stats({"lanes": lanes, "blocks_total": 64, "blocks_free": 10, "blocks_cached": 7, "swap_blocks_used": 12})
+    lanes = {Lane.REALTIME: LaneStats(waiting=3, running=1), Lane.NEAR_REALTIME: LaneStats(),
+             Lane.BATCH: LaneStats(running=2, swapped=5)}
+    m.observe_stats(EngineStats(lanes=lanes, blocks_total=64, blocks_free=10, blocks_cached=7, swap_blocks_used=12))
     assert value(m, "llm_engine_requests_waiting", lane="P0") == 3
     assert value(m, "llm_engine_requests_running", lane="P2") == 2
     assert value(m, "llm_engine_requests_swapped", lane="P2") == 5
@@ -89,8 +90,9 @@ def test_gauges_follow_the_last_snapshot():
     assert value(m, "llm_engine_kv_blocks_free") == 10
     assert value(m, "llm_engine_kv_blocks_cached") == 7
     assert value(m, "llm_engine_swap_blocks_used") == 12
-    m.observe_stats({"blocks_total": 64, "blocks_free": 64})  # an engine without swap: 0
+    m.observe_stats(EngineStats(blocks_total=64, blocks_free=64))
     assert value(m, "llm_engine_swap_blocks_used") == 0
+    assert value(m, "llm_engine_requests_running", lane="P2") == 0
 
 
 def test_time_per_output_token_is_the_mean_gap_after_the_first():
@@ -130,7 +132,7 @@ def test_an_async_engine_feeds_latencies_tokens_and_gauges():
 
     async def main():
         await asyncio.gather(one("a", 0, "acme"), one("ax", 0, "acme"), one("b", 2, "globex"))
-        while ae.stats()["in_flight"] or ae.stats()["running"]:
+        while ae.stats().in_flight or ae.stats().running:
             await asyncio.sleep(0.002)
 
     try:
@@ -146,10 +148,10 @@ def test_an_async_engine_feeds_latencies_tokens_and_gauges():
     assert value(metrics, "llm_engine_generation_tokens_total", tenant="acme") == 2 * GREEDY.max_tokens
     assert value(metrics, "llm_engine_generation_tokens_total", tenant="globex") == GREEDY.max_tokens
     assert value(metrics, "llm_engine_requests_finished_total", reason="length") == 3
-    assert value(metrics, "llm_engine_kv_blocks_total") == stats["blocks_total"]
-    assert value(metrics, "llm_engine_kv_blocks_free") == stats["blocks_free"] == stats["blocks_total"]
-    assert value(metrics, "llm_engine_kv_blocks_cached") == stats["blocks_cached"] > 0
-    assert value(metrics, "llm_engine_prefix_cache_hit_tokens_total") == stats["prefix_hit_tokens"]
+    assert value(metrics, "llm_engine_kv_blocks_total") == stats.blocks_total
+    assert value(metrics, "llm_engine_kv_blocks_free") == stats.blocks_free == stats.blocks_total
+    assert value(metrics, "llm_engine_kv_blocks_cached") == stats.blocks_cached > 0
+    assert value(metrics, "llm_engine_prefix_cache_hit_tokens_total") == stats.prefix_hit_tokens
     for lane in ("P0", "P1", "P2"):
         assert value(metrics, "llm_engine_requests_running", lane=lane) == 0
         assert value(metrics, "llm_engine_requests_waiting", lane=lane) == 0

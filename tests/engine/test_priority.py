@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from inference.engine.errors import QueueFullError
-from inference.engine.sequence import SamplingParams, SequenceStatus
+from inference.engine.api import LaneStats, SamplingParams
+from inference.engine.sequence import SequenceStatus
 from tests.engine.tiny import expected_output, greedy_params as params, TINY, VOCAB, ManualClock, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
@@ -65,7 +66,7 @@ def test_lanes_are_admitted_in_strict_order_when_nobody_has_aged():
     first = first_scheduled(engine)
     # Two at a time: the P1s wait for both P0s to finish, the P2s for both P1s.
     assert first["p0-4"] == first["p0-5"] < first["p1-2"] == first["p1-3"] < first["p2-0"] == first["p2-1"]
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
     for rid, outs in outputs.items():
         assert outs[-1].finish_reason == "length"
 
@@ -85,7 +86,7 @@ def test_a_p2_request_under_saturating_p0_load_starts_within_two_aging_threshold
         engine.step()
         if started_at is None and "batch" in first_scheduled(engine):
             started_at = clock()
-        assert engine.stats()["lanes"]["P0"]["waiting"] > 0 or started_at is not None
+        assert engine.stats().lane(0).waiting > 0 or started_at is not None
         clock.advance(tick)
     assert started_at is not None, "the P2 request starved"
     assert aging <= started_at <= 2 * aging  # it did wait behind P0, and aging bounded the wait
@@ -148,7 +149,7 @@ def test_fcfs_ignores_lanes():
         engine.add_request(f"r{i}-p{lane}", [i + 1, 2], params(2), lane=lane, arrival_time=float(i))
     run_to_completion(engine)
     assert start_order(engine) == ["r0-p2", "r1-p1", "r2-p0", "r3-p2", "r4-p0"]
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
 
 
 def test_shortest_first_orders_by_max_tokens():
@@ -177,8 +178,8 @@ def test_an_arriving_p0_preempts_running_p2_work_when_the_batch_is_full():
     stats = engine.stats()
     assert chat.status is SequenceStatus.RUNNING
     assert [o.request_id for o in outs if o.new_token_ids].count("chat") == 1  # TTFT: one step
-    assert stats["preemptions_swap"] == 1 and stats["preemptions_recompute"] == 0
-    assert stats["lanes"]["P2"] == {"waiting": 0, "running": 1, "swapped": 1, "aged_up": 0}
+    assert stats.preemptions_swap == 1 and stats.preemptions_recompute == 0
+    assert stats.lane(2) == LaneStats(waiting=0, running=1, swapped=1, aged_up=0)
     # The latest-arriving (here: highest seq_no) P2 is the victim.
     assert [s.request_id for s in engine.scheduler.swapped] == ["batch-1"]
     engine.block_manager.check_invariants(live_seqs(engine))
@@ -190,7 +191,7 @@ def test_an_arriving_p0_preempts_running_p2_work_when_the_batch_is_full():
         assert outputs[f"batch-{i}"][-1].finish_reason == "length"
         assert seq.output_token_ids == expected_output([i + 1, 2, 3, 4, 5], 40)
     stats = engine.stats()
-    assert stats["blocks_free"] == stats["blocks_total"] and stats["swap_blocks_used"] == 0
+    assert stats.blocks_free == stats.blocks_total and stats.swap_blocks_used == 0
 
 
 def test_a_p0_whose_prefix_is_cached_but_unreferenced_still_preempts_at_once():
@@ -205,12 +206,12 @@ def test_a_p0_whose_prefix_is_cached_but_unreferenced_still_preempts_at_once():
     for i in range(2):
         engine.add_request(f"batch-{i}", [30 + i] * 11, params(20), lane=2)
     engine.step()  # the batch holds the 6 plain free blocks; only the cached 4 are left
-    assert engine.stats()["blocks_free"] == 4  # all of them the warm prompt's cached blocks
+    assert engine.stats().blocks_free == 4  # all of them the warm prompt's cached blocks
 
     engine.add_request("chat", prefix + [50, 51, 52, 53], params(2), lane=0)
     outs = engine.step()
     assert [o.request_id for o in outs if o.new_token_ids].count("chat") == 1, "P0 TTFT was more than one step"
-    assert engine.stats()["preemptions"] == 1
+    assert engine.stats().preemptions == 1
     outputs = run_to_completion(engine)
     assert outputs["chat"][-1].finish_reason == "length"
 
@@ -222,7 +223,7 @@ def test_a_p0_does_not_preempt_running_p0_work():
     engine.add_request("second", [4, 5, 6], params(5), lane=0)
     engine.step()
     assert [s.request_id for s in engine.scheduler.running] == ["first"]
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
 
 
 def _scheduled_ids(schedule) -> list[str]:
@@ -246,7 +247,7 @@ def test_running_batch_work_sits_out_the_step_that_admits_an_arriving_chat():
     for i, seq in enumerate(batch):
         assert outputs[f"batch-{i}"][-1].finish_reason == "length"
         assert seq.output_token_ids == expected_output([i + 1, 2, 3], 12)
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
 
 
 def test_no_batch_work_is_admitted_in_the_step_that_admits_an_arriving_chat():
@@ -330,7 +331,7 @@ def test_a_tenants_crowd_of_streams_sits_out_the_step_that_admits_another_tenant
     for i in range(6):
         assert outputs[f"crowd-{i}"][-1].finish_reason == "length"
         assert engine.crowd[i].output_token_ids == expected_output([i + 1, 2, 3], 24)
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
 
 
 def test_a_crowd_makes_way_at_most_one_step_in_crowd_sit_out_every():
@@ -393,7 +394,7 @@ def run_preempted(sampling: SamplingParams, victim_lane: int, swap_blocks: int):
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
 def test_a_swapped_p2_sequence_produces_the_tokens_it_would_have_unpreempted(sampling):
     engine, victim, tokens = run_preempted(sampling, victim_lane=2, swap_blocks=16)
-    assert engine.stats()["preemptions_swap"] > 0 and engine.stats()["preemptions_recompute"] == 0
+    assert engine.stats().preemptions_swap > 0 and engine.stats().preemptions_recompute == 0
     assert victim.num_preemptions > 0
     assert tokens == run_alone(sampling)
 
@@ -402,7 +403,7 @@ def test_a_swapped_p2_sequence_produces_the_tokens_it_would_have_unpreempted(sam
 @pytest.mark.parametrize("victim_lane, swap_blocks", [(1, 16), (2, 0)], ids=["p1-victim", "no-swap-space"])
 def test_a_recomputed_sequence_produces_the_tokens_it_would_have_unpreempted(sampling, victim_lane, swap_blocks):
     engine, victim, tokens = run_preempted(sampling, victim_lane, swap_blocks)
-    assert engine.stats()["preemptions_recompute"] > 0 and engine.stats()["preemptions_swap"] == 0
+    assert engine.stats().preemptions_recompute > 0 and engine.stats().preemptions_swap == 0
     assert victim.num_preemptions > 0
     assert tokens == run_alone(sampling)
 
@@ -490,7 +491,7 @@ def test_a_request_waiting_past_its_lane_timeout_fails_and_the_engine_keeps_serv
     assert outputs["holder"][-1].finish_reason == "length"
     assert tokens_of(outputs["after"]) == expected_output([4, 5, 6], 3)
     stats = engine.stats()
-    assert stats["blocks_free"] == stats["blocks_total"]
+    assert stats.blocks_free == stats.blocks_total
 
 
 # -- random interleavings -------------------------------------------------------------------------
@@ -585,10 +586,10 @@ class PriorityMachine(RuleBasedStateMachine):
         live = live_seqs(engine)
         engine.block_manager.check_invariants(live)
         stats = engine.stats()
-        assert stats["blocks_free"] + stats["blocks_used"] == stats["blocks_total"] == NUM_BLOCKS
-        assert stats["swap_blocks_used"] <= stats["swap_blocks_total"] == SWAP_BLOCKS
-        assert engine.block_manager.swap.num_free_blocks + stats["swap_blocks_used"] == SWAP_BLOCKS
-        assert stats["running"] <= MAX_SEQS
+        assert stats.blocks_free + stats.blocks_used == stats.blocks_total == NUM_BLOCKS
+        assert stats.swap_blocks_used <= stats.swap_blocks_total == SWAP_BLOCKS
+        assert engine.block_manager.swap.num_free_blocks + stats.swap_blocks_used == SWAP_BLOCKS
+        assert stats.running <= MAX_SEQS
         assert {s.request_id for s in live} == set(engine.requests)
         for rid, seq in self.seqs.items():
             if seq.status is SequenceStatus.FINISHED:
@@ -610,7 +611,7 @@ class PriorityMachine(RuleBasedStateMachine):
         else:
             raise AssertionError(f"engine still busy after {TEARDOWN_STEPS} steps: {engine.stats()}")
         stats = engine.stats()
-        assert stats["blocks_free"] == NUM_BLOCKS and stats["swap_blocks_used"] == 0
+        assert stats.blocks_free == NUM_BLOCKS and stats.swap_blocks_used == 0
         assert engine.block_manager.swap.num_free_blocks == SWAP_BLOCKS
         engine.block_manager.check_invariants([])
         assert set(self.final) == set(self.seqs)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0)
 
@@ -68,8 +68,8 @@ def test_batch_of_32_mixed_lengths_matches_transformers(make_engine, smollm, cha
     got = [list(completions[i * 6].token_ids) for i in range(5)]
     assert got == reference_tokens
     if num_blocks is not None:
-        assert engine.stats()["preemptions"] > 0, "the small cache was meant to force preemption"
-    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
+        assert engine.stats().preemptions > 0, "the small cache was meant to force preemption"
+    assert engine.stats().blocks_free == engine.stats().blocks_total
 
 
 def _system_prefix(tokenizer, length: int) -> list[int]:
@@ -91,10 +91,10 @@ def test_shared_512_token_prefix_is_computed_once(make_engine, smollm):
     (cached,) = engine.generate([second], params)
     after = engine.stats()
 
-    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 512
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 512
     assert cached.num_cached_tokens == 512
     # The rest of the prompt once, then one token per decode step after the first sample.
-    assert after["computed_tokens"] - before["computed_tokens"] == (len(second) - 512) + (params.max_tokens - 1)
+    assert after.computed_tokens - before.computed_tokens == (len(second) - 512) + (params.max_tokens - 1)
 
     (uncached,) = make_engine(enable_prefix_caching=False).generate([second], params)
     assert uncached.num_cached_tokens == 0
@@ -110,10 +110,10 @@ def test_64_requests_sharing_a_system_prompt_save_90_percent_of_prefill(make_eng
     engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     stats = engine.stats()
     prompt_tokens = 64 * 544
-    assert stats["prompt_tokens"] == prompt_tokens
-    saved = stats["prefix_hit_tokens"] / prompt_tokens
+    assert stats.prompt_tokens == prompt_tokens
+    saved = stats.prefix_hit_tokens / prompt_tokens
     assert saved >= 0.90, f"only {saved:.1%} of prefill tokens came from the cache"
-    assert stats["computed_tokens"] == prompt_tokens - stats["prefix_hit_tokens"]
+    assert stats.computed_tokens == prompt_tokens - stats.prefix_hit_tokens
 
 
 def test_isolated_tenants_never_share_blocks(make_engine, smollm):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from inference.engine.sampler import apply_penalties, sample
-from inference.engine.sequence import SamplingParams, Sequence
+from inference.engine.api import SamplingParams
+from inference.engine.sequence import Sequence
 from tests.engine.tiny import one_thread
 
 assert one_thread  # an autouse fixture: importing it is what applies it here

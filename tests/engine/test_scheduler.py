@@ -34,7 +34,7 @@ def test_chunked_prefill_takes_four_steps_before_the_first_token():
     counts = [[(s.start, s.num_new_tokens) for s in sch.scheduled] for sch in engine.runner.schedules]
     assert counts == [[(0, 32)], [(32, 32)], [(64, 32)], [(96, 4)]]
     assert [len(outs) for outs in firsts] == [0, 0, 0, 1]
-    assert engine.stats()["computed_tokens"] == 100
+    assert engine.stats().computed_tokens == 100
 
     outputs = run_to_completion(engine)
     decodes = [[s.num_new_tokens for s in sch.scheduled] for sch in engine.runner.schedules[4:]]
@@ -77,7 +77,7 @@ def test_nobody_overtakes_the_head_of_the_queue():
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["big"]) == expected_output([7] * 16, 1)
     assert tokens_of(outputs["small"]) == expected_output([1], 1)
-    assert engine.stats()["blocks_free"] == 8
+    assert engine.stats().blocks_free == 8
 
 
 def test_preemption_by_recompute_when_the_pool_is_too_small():
@@ -87,14 +87,14 @@ def test_preemption_by_recompute_when_the_pool_is_too_small():
     outputs = run_to_completion(engine)
 
     stats = engine.stats()
-    assert stats["preemptions"] > 0
+    assert stats.preemptions > 0
     assert any(s.num_preemptions for s in seqs.values())
     assert seqs["r0"].num_preemptions == 0  # the oldest is never the victim under FCFS
     for rid, prompt in prompts.items():
         assert tokens_of(outputs[rid]) == expected_output(prompt, 10)
         assert outputs[rid][-1].finish_reason == "length"
-    assert stats["blocks_free"] == stats["blocks_total"]
-    assert stats["running"] == stats["waiting"] == 0
+    assert stats.blocks_free == stats.blocks_total
+    assert stats.running == stats.waiting == 0
 
 
 def test_a_step_never_exceeds_the_sequence_budget():
@@ -105,7 +105,7 @@ def test_a_step_never_exceeds_the_sequence_budget():
         engine.step()
         assert len(engine.scheduler.running) <= 3
         assert len(engine.runner.schedules[-1].scheduled) <= 3
-    assert engine.stats()["finished_requests"] == 7
+    assert engine.stats().finished_requests == 7
 
 
 # -- random interleavings ---------------------------------------------------------------------
@@ -176,8 +176,8 @@ class EngineMachine(RuleBasedStateMachine):
         live = live_seqs(engine)
         engine.block_manager.check_invariants(live)
         stats = engine.stats()
-        assert stats["blocks_free"] + stats["blocks_used"] == NUM_BLOCKS
-        assert stats["running"] <= MAX_SEQS
+        assert stats.blocks_free + stats.blocks_used == NUM_BLOCKS
+        assert stats.running <= MAX_SEQS
         assert {s.request_id for s in live} == set(engine.requests)
         for rid, seq in self.seqs.items():
             if seq.is_finished:
@@ -195,8 +195,8 @@ class EngineMachine(RuleBasedStateMachine):
             for out in out_list:
                 self.tokens[out.request_id] += out.new_token_ids
         stats = self.engine.stats()
-        assert stats["blocks_free"] == NUM_BLOCKS
-        assert stats["running"] == stats["waiting"] == 0
+        assert stats.blocks_free == NUM_BLOCKS
+        assert stats.running == stats.waiting == 0
         self.engine.block_manager.check_invariants([])
         for rid, seq in self.seqs.items():
             assert seq.is_finished
@@ -206,7 +206,7 @@ class EngineMachine(RuleBasedStateMachine):
             else:
                 assert seq.finish_reason == "length"
                 assert self.tokens[rid] == expected_output(seq.prompt_token_ids, seq.params.max_tokens)
-        assert stats["finished_requests"] + stats["aborted_requests"] == len(self.seqs)
+        assert stats.finished_requests + stats.aborted_requests == len(self.seqs)
 
 
 EngineMachine.TestCase.settings = settings(

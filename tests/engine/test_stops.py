@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 from inference.engine.stops import StopMatcher
 from tests.engine.tiny import TINY, one_thread, run_to_completion, smol_tokenizer, tiny_model  # noqa: F401
 
@@ -132,9 +132,9 @@ def _with(engine: LLMEngine, params: SamplingParams) -> LLMEngine:
 def test_the_engine_refuses_stop_work_past_its_own_ceilings_whatever_the_caller():
     """The API's bounds are lower; the engine holds its own for any other caller."""
     from inference.engine.errors import InvalidRequestError
-    from inference.engine.sequence import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+    from inference.engine.api import MAX_STOP_TOTAL_CHARS, MAX_STOP_TOKEN_IDS
 
-    SamplingParams(stop=["x" * (MAX_STOP_CHARS // 4)] * 4, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    SamplingParams(stop=["x" * (MAX_STOP_TOTAL_CHARS // 4)] * 4, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
     for too_much in ({"stop": ["x" * 260_000] * 4}, {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}):
         try:
             SamplingParams(**too_much)

@@ -17,7 +17,8 @@ from inference.engine.loader import resolve_source
 from inference.engine.model_runner import SampledToken
 from inference.engine.models.llama import LlamaModel, ModelConfig, random_tensors
 from inference.engine.scheduler import SchedulerOutput
-from inference.engine.sequence import SamplingParams, Sequence
+from inference.engine.api import SamplingParams
+from inference.engine.sequence import Sequence
 from inference.engine.tokenizer import Tokenizer
 
 VOCAB = 64

@@ -21,7 +21,7 @@ import kernels
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine
 from inference.engine.models.llama import GateUp, Linear, LlamaModel, ModelConfig, random_tensors
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
 from kernels.activation import silu_and_mul_ref
 from kernels.kv_cache import rotary_write_kv_ref, write_kv_ref

@@ -15,7 +15,7 @@ import pytest
 
 from inference import readiness
 from inference.engine.async_engine import AsyncEngine
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 from inference.host import EngineHost
 from tests.engine import tiny
 from tests.engine.tiny import one_thread

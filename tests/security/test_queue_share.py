@@ -14,7 +14,7 @@ from django.conf import settings
 
 from inference.engine.engine import LLMEngine
 from inference.engine.errors import QueueFullError
-from inference.engine.sequence import SamplingParams
+from inference.engine.api import SamplingParams
 from inference.generation import engine_error
 from inference.host import engine_config
 from tests.engine.tiny import ManualClock, one_thread, run_to_completion, tiny_model  # noqa: F401

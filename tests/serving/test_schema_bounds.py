@@ -1,16 +1,24 @@
 """The OpenAPI schema publishes the request bounds that `inference.protocol` enforces, from the
-same settings: at each published bound a request is accepted, one past it is refused naming the
-field. Built in-process (no live server): the schema view's own generator and hooks."""
+same settings and the engine's one table of ranges: at each published bound a request is
+accepted, one past it is refused naming the field. Built in-process (no live server): the schema view's own generator and hooks."""
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.test import override_settings
 from django.utils.module_loading import import_string
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.settings import spectacular_settings
 
 from config.urls import SCHEMA_HOOKS
 from inference import protocol
+from inference.checks import check_request_bounds
+from inference.engine.api import (LIMITS, MAX_STOP_SEQUENCES, MAX_STOP_TOTAL_CHARS, InvalidRequestError,
+                                  SamplingParams)
 from tenants.errors import ApiError
 
 
@@ -85,3 +93,73 @@ def test_bounds_over_several_fields_are_published_as_enforced(schemas):
     protocol.parse_completion({"prompt": prompts})
     assert refused(protocol.parse_completion, {"prompt": prompts + ["x"]}).status == 413
     assert refused(protocol.parse_completion, {"prompt": ["x"] * 16, "n": 5}).param == "n"
+
+
+REQUESTS = {"ChatCompletionRequestRequest": (protocol.parse_chat, chat), "CompletionRequestRequest": (
+    protocol.parse_completion, lambda **fields: {"prompt": "hi", **fields})}
+# A field whose check needs a partner field to be reached at all.
+PARTNERS = {"top_logprobs": {"logprobs": True}}
+# Fields whose range a bound over several fields lowers when the field is alone (n = 1, one prompt).
+CAPS = {"max_tokens": "MAX_REQUEST_TOKENS", "max_completion_tokens": "MAX_REQUEST_TOKENS",
+        "top_logprobs": "MAX_REQUEST_LOGPROBS", "logprobs": "MAX_REQUEST_LOGPROBS"}
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
+
+
+def _just_past(value, integer: bool, direction: int):
+    return value + direction if integer else value + direction * max(1e-9, abs(value) * 1e-9)
+
+
+def test_every_numeric_field_has_the_one_range_in_the_schema_validation_and_engine(schemas):
+    published = set()
+    for schema_name, (parse, body) in REQUESTS.items():
+        for name, field in schemas[schema_name]["properties"].items():
+            if "minimum" not in field and "maximum" not in field:
+                continue
+            limit = LIMITS[name]  # a bounded field the table does not hold is a limit written elsewhere
+            published.add(name)
+            high = min(limit.high, getattr(settings, CAPS[name])) if name in CAPS else limit.high
+            assert (field["minimum"], field["maximum"]) == (limit.low, high), name
+            assert field.get("exclusiveMinimum", False) is limit.low_open, name
+            assert field["type"] == ("integer" if limit.integer else "number"), name
+            extra = PARTNERS.get(name, {})
+            if name == "best_of":  # accepted only equal to n
+                extra = {"n": high}
+            at_top = {name: high, **extra}
+            parse(body(**at_top))
+            past = refused(parse, body(**{**at_top, name: _just_past(high, limit.integer, +1)}))
+            assert past.param == name or (name, past.param) == ("best_of", "n"), (name, past.message)
+            if limit.low_open:
+                assert refused(parse, body(**{name: limit.low, **extra})).param == name
+            else:
+                low = {name: limit.low, **extra, **({"n": limit.low} if name == "best_of" else {})}
+                parse(body(**low))
+                assert refused(parse, body(**{**low, name: _just_past(limit.low, limit.integer, -1)})).param == name
+    assert published == set(LIMITS), "every range of the table is published"
+    # The engine takes the same ranges from the same table: what the API lets through, it serves.
+    for name in SAMPLING:
+        limit = LIMITS[name]
+        SamplingParams(**{name: limit.high})
+        with pytest.raises(InvalidRequestError) as caught:
+            SamplingParams(**{name: _just_past(limit.high, limit.integer, +1)})
+        assert caught.value.param == name
+    SamplingParams(max_tokens=LIMITS["max_tokens"].high, logprobs=LIMITS["top_logprobs"].high)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(logprobs=LIMITS["top_logprobs"].high + 1)
+
+
+def test_stop_bounds_above_the_engines_ceilings_fail_the_system_check():
+    assert check_request_bounds() == []
+    with override_settings(MAX_STOP=MAX_STOP_SEQUENCES + 1):
+        assert [e.id for e in check_request_bounds()] == ["inference.E006"]
+    with override_settings(MAX_STOP=4, MAX_STOP_CHARS=MAX_STOP_TOTAL_CHARS // 4 + 1):
+        assert "MAX_STOP x MAX_STOP_CHARS" in check_request_bounds()[0].msg
+
+
+def test_request_parsing_imports_neither_torch_nor_a_model():
+    # A subprocess: this test process has long imported torch for other tests.
+    code = ("import sys, inference.protocol, inference.engine.api; "
+            "heavy = sorted(m for m in ('torch', 'inference.engine.engine', 'inference.engine.sequence') if m in sys.modules); "
+            "print(heavy); sys.exit(bool(heavy))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr
