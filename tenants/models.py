@@ -5,13 +5,15 @@ Models hold state only; every write goes through `tenants.actions`.
 from django.db import models
 from django.utils import timezone
 
+from inference.engine import api
+
 
 class Lane(models.IntegerChoices):
-    """Scheduling lanes, best first (docs/design.md). A lower number is served sooner."""
+    """The engine's lanes (`inference.engine.api.Lane`) with their labels for forms and the admin."""
 
-    REALTIME = 0, "P0 realtime"
-    NEAR_REALTIME = 1, "P1 near-realtime"
-    BATCH = 2, "P2 batch"
+    REALTIME = api.Lane.REALTIME, "P0 realtime"
+    NEAR_REALTIME = api.Lane.NEAR_REALTIME, "P1 near-realtime"
+    BATCH = api.Lane.BATCH, "P2 batch"
 
 
 class QuotaTier(models.Model):

@@ -33,11 +33,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from inference.engine.api import Lane
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.sequence import Sequence, SequenceStatus
-
-BATCH_LANE = 2
 
 
 class Policy:
@@ -62,6 +61,17 @@ class Policy:
     def yields_to(self, running: Sequence, arrival: Sequence) -> bool:
         """Whether `running` sits out the step that admits the newly arrived `arrival`."""
         return False
+
+    # The batch lane's rules hold under every policy: its prompts share a per-step prefill cap
+    # (EngineConfig.batch_prefill_tokens), and preempted, it keeps its KV in host memory.
+
+    def caps_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt tokens count against the step's batch prefill cap."""
+        return seq.lane == Lane.BATCH
+
+    def swaps_out(self, seq: Sequence) -> bool:
+        """Whether `seq`, preempted, is swapped to host memory (else it recomputes later)."""
+        return seq.lane == Lane.BATCH
 
 
 class FcfsPolicy(Policy):
@@ -115,7 +125,7 @@ class PriorityPolicy(Policy):
     def yields_to(self, running: Sequence, arrival: Sequence) -> bool:
         # Base lanes, not aged ones: a long batch job ages up while it runs, and must still
         # make way for a chat that has just arrived.
-        return running.lane == BATCH_LANE and arrival.lane < BATCH_LANE
+        return running.lane == Lane.BATCH and arrival.lane < Lane.BATCH
 
     def served(self, seq: Sequence, num_tokens: int) -> None:
         lane = self.virtual[seq.lane]
@@ -348,15 +358,14 @@ class Scheduler:
         """Tokens `seq` computes this step from `start`: its rest, within the step's budget
         and, for batch work's prompt tokens, within what is left of their cap."""
         num_new = min(seq.num_tokens - start, step.budget)
-        if seq.lane == BATCH_LANE and num_new > 1:
+        if num_new > 1 and self.policy.caps_prefill(seq):
             num_new = min(num_new, step.batch_prefill)
         return num_new
 
-    @staticmethod
-    def _take(step: _Step, item: ScheduledSeq) -> None:
+    def _take(self, step: _Step, item: ScheduledSeq) -> None:
         step.scheduled.append(item)
         step.budget -= item.num_new_tokens
-        if item.seq.lane == BATCH_LANE and item.num_new_tokens > 1:
+        if item.num_new_tokens > 1 and self.policy.caps_prefill(item.seq):
             step.batch_prefill -= item.num_new_tokens
 
     def _preempt_for_better_lanes(self, now: float, step: _Step) -> None:
@@ -381,7 +390,7 @@ class Scheduler:
         step.preempted.append(seq)
         bm = self.block_manager
         seq.num_preemptions += 1
-        if seq.lane == BATCH_LANE and step.swaps < self.config.max_swaps_per_step and bm.can_swap_out(seq):
+        if self.policy.swaps_out(seq) and step.swaps < self.config.max_swaps_per_step and bm.can_swap_out(seq):
             # Batch work keeps its computed keys and values in host memory and resumes exactly there.
             step.swap_out += bm.swap_out(seq)
             step.swaps += 1
