@@ -12,9 +12,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
+from batches import upload_gate  # noqa: E402
 from config import daphne_hooks  # noqa: E402
 from console.routing import console_routes  # noqa: E402
-from inference import upload_gate  # noqa: E402
 from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402

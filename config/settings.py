@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "channels",
     "tenants",
     "inference",
+    "batches",
     "console",
 ]
 
@@ -144,10 +145,10 @@ CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_WORKER_POOL = "threads"
 CELERY_WORKER_CONCURRENCY = env.int("BATCH_WORKER_CONCURRENCY", default=8)
 CELERY_TASK_IGNORE_RESULT = True
-# A warm shutdown (SIGTERM) releases running batch items at once (inference.batch_worker)
+# A warm shutdown (SIGTERM) releases running batch items at once (batches.worker)
 # instead of waiting for them to finish.
 
-# --- batch jobs (inference.batches) ------------------------------------------------------
+# --- batch jobs (batches.actions) --------------------------------------------------------
 
 # Where workers send batch items: an engine replica's internal endpoint (or a balancer).
 BATCH_ENGINE_URL = env.str("BATCH_ENGINE_URL", default=f"http://127.0.0.1:{env.int('WEB_PORT', default=PORT)}")

@@ -18,6 +18,7 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("metrics", operator_views.metrics, name="metrics"),
     path("v1/", include("inference.urls")),
+    path("v1/", include("batches.urls")),
     path("api/v1/engine/stats", operator_views.engine_stats, name="engine-stats"),
     # The schema covers the consumer endpoints too (see inference.openapi); open to all, as docs are.
     path("api/schema/", SpectacularAPIView.as_view(urlconf="inference.openapi", authentication_classes=[],

@@ -1,5 +1,5 @@
 """Read-only queries behind the console's pages and socket. Writes go through
-`tenants.actions` and `inference.batches`, never through here."""
+`tenants.actions` and `batches.actions`, never through here."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,7 @@ from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from inference.models import Batch, BatchItem
+from batches.models import Batch, BatchItem
 from tenants import quota
 from tenants.models import Lane, Tenant, UsageRecord
 

@@ -1,6 +1,6 @@
 """The operators' console: staff-only pages over tenants, batches, the engine and a playground.
 
-Views parse, call `tenants.actions` or `inference.batches`, and render; reads live in
+Views parse, call `tenants.actions` or `batches.actions`, and render; reads live in
 `console.queries`. Every page needs a staff session (`staff_member_required` sends anyone
 else to the admin's login), and every write is a POST under Django's CSRF check.
 Staff alone is not enough, as in the admin: a page needs the model permission it shows
@@ -22,9 +22,9 @@ from django.utils.cache import add_never_cache_headers
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from batches import actions as batch_actions
+from batches.models import Batch
 from console import queries
-from inference import batches as batch_actions
-from inference.models import Batch
 from tenants import actions
 from tenants.models import ApiKey, QuotaTier, Tenant
 
@@ -137,7 +137,7 @@ def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 @staff_member_required
-@requires(get="inference.view_batch")
+@requires(get="batches.view_batch")
 @require_GET
 def batches(request: HttpRequest) -> HttpResponse:
     rows = queries.batch_rows()
@@ -146,7 +146,7 @@ def batches(request: HttpRequest) -> HttpResponse:
 
 
 @staff_member_required
-@requires(post="inference.change_batch")
+@requires(post="batches.change_batch")
 @require_POST
 def cancel_batch(request: HttpRequest, batch_id: str) -> HttpResponse:
     batch = batch_actions.cancel(get_object_or_404(Batch, pk=batch_id))

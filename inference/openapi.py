@@ -17,7 +17,8 @@ from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.views import APIView
 
-from inference import batch_views, protocol
+from batches import views as batch_views
+from inference import protocol
 from inference.engine.api import LIMITS, MAX_N
 from inference.views import ModelList
 

@@ -110,7 +110,7 @@ class Stack:
         """How many items of the batch are in each state (read from the database)."""
         return self.server.django(f"""
 from django.db.models import Count
-from inference.models import BatchItem
+from batches.models import BatchItem
 result = dict(BatchItem.objects.filter(batch_id={batch_id!r}).values_list("state").annotate(n=Count("id")))
 """)
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from inference import batches
-from inference.models import Batch, BatchItem, File
+from batches import actions
+from batches.models import Batch, BatchItem, File
 from tests.batches.test_batch_states import (  # noqa: F401 (fixtures: broker, autouse, keeps sends on the test Redis; tenant)
     batch_underway, broker, item_at, start_batch, states, tenant,
 )
@@ -16,7 +16,7 @@ from tests.batches.test_batch_states import (  # noqa: F401 (fixtures: broker, a
 pytestmark = pytest.mark.django_db
 
 State, Status = BatchItem.State, Batch.Status
-BATCHES = "/admin/inference/batch/"
+BATCHES = "/admin/batches/batch/"
 
 
 def row(page: str, batch: Batch) -> str:
@@ -41,7 +41,7 @@ def finished_batch(tenant, n: int) -> Batch:
 
 def test_the_batch_list_shows_each_batchs_progress_and_failures(admin_client, tenant):
     running, [(refused, token), _] = batch_underway(tenant, 4, finished=1, running=2)  # line 4 queued
-    assert batches.finish(refused, token, 400, "req-refused", {"error": {"message": "no", "code": "bad"}})
+    assert actions.finish(refused, token, 400, "req-refused", {"error": {"message": "no", "code": "bad"}})
     done = finished_batch(tenant, 3)
 
     response = admin_client.get(BATCHES)
@@ -80,7 +80,7 @@ def test_item_and_file_pages_render_without_the_files_content(admin_client, tena
     batch = finished_batch(tenant, 2)
     item = item_at(batch, 1)
     uploaded = File.objects.get(pk=batch.input_file_id)
-    pages = {"/admin/inference/batchitem/": item.custom_id, f"/admin/inference/batchitem/{item.pk}/change/": "Say 0.",
+    pages = {"/admin/batches/batchitem/": item.custom_id, f"/admin/batches/batchitem/{item.pk}/change/": "Say 0.",
              f"{BATCHES}{batch.id}/change/": batch.output_file_id}
     for path, shown in pages.items():
         response = admin_client.get(path)
@@ -88,7 +88,7 @@ def test_item_and_file_pages_render_without_the_files_content(admin_client, tena
         assert shown in response.content.decode(), path
 
     for file in (uploaded, batch.output_file):
-        for path in ("/admin/inference/file/", f"/admin/inference/file/{file.pk}/change/"):
+        for path in ("/admin/batches/file/", f"/admin/batches/file/{file.pk}/change/"):
             response = admin_client.get(path)
             assert response.status_code == 200, path
             page = response.content.decode()
@@ -100,7 +100,7 @@ def test_item_and_file_pages_render_without_the_files_content(admin_client, tena
 def test_a_user_who_is_not_staff_is_sent_to_the_login_page(client, django_user_model, tenant):
     batch = start_batch(tenant, 2)
     client.force_login(django_user_model.objects.create_user("viewer", password="not-used-123"))
-    for path in (BATCHES, "/admin/inference/batchitem/", "/admin/inference/file/", f"{BATCHES}{batch.id}/change/"):
+    for path in (BATCHES, "/admin/batches/batchitem/", "/admin/batches/file/", f"{BATCHES}{batch.id}/change/"):
         response = client.get(path)
         assert response.status_code == 302, path
         assert response["Location"].startswith("/admin/login/"), path

@@ -103,7 +103,7 @@ def owned(stack, *tenants: str) -> dict[str, dict[str, list[str]]]:
     """Each tenant's file and batch ids, newest first, read from the database."""
     ids = {name: stack.server.tenant_ids[name] for name in tenants}
     return stack.server.django(f"""
-from inference.models import Batch, File
+from batches.models import Batch, File
 result = {{name: {{"files": list(File.objects.filter(tenant_id=pk).values_list("id", flat=True)),
                    "batches": list(Batch.objects.filter(tenant_id=pk).values_list("id", flat=True))}}
           for name, pk in {ids!r}.items()}}
@@ -282,7 +282,7 @@ def test_bad_batch_requests_are_refused(stack, ran):
     error = refused(lambda: create(client, file.id, extra_body={"priority": "high"}), 400, "unknown_parameter", "priority")
     assert "priority" in error["message"]
     assert file.id not in stack.server.django("""
-from inference.models import Batch
+from batches.models import Batch
 result = list(Batch.objects.values_list("input_file_id", flat=True))
 """)
 
@@ -299,7 +299,7 @@ def test_an_idempotency_key_replays_the_first_batch_and_refuses_a_different_requ
     theirs = create(globex, upload(globex, chat_line("a")).id, extra_headers=key)
     assert theirs.id != first.id
     counts = stack.server.django(f"""
-from inference.models import Batch
+from batches.models import Batch
 result = list(Batch.objects.filter(idempotency_key={key["Idempotency-Key"]!r}).values_list("tenant_id", flat=True))
 """)
     assert sorted(counts) == sorted([stack.server.tenant_ids["acme"], stack.server.tenant_ids["globex"]])

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from batches.jsonl import MAX_CUSTOM_ID, FileRejected, InputLine, output_line, parse_input
 from inference import catalog
-from inference.batch_files import MAX_CUSTOM_ID, FileRejected, InputLine, output_line, parse_input
 from tenants.errors import ApiError
 
 CHAT_URL, COMPLETION_URL = "/v1/chat/completions", "/v1/completions"

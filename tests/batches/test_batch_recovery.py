@@ -159,7 +159,7 @@ def test_a_batch_past_its_window_expires_keeping_what_finished(stack):
     # The 24 h window passes (the only window OpenAI offers, so the test moves the deadline).
     stack.server.django(f"""
 from django.utils import timezone
-from inference.models import Batch
+from batches.models import Batch
 Batch.objects.filter(pk={batch.id!r}).update(expires_at=timezone.now())
 result = True
 """)
@@ -180,7 +180,7 @@ def test_an_item_that_keeps_losing_its_worker_fails_after_the_attempt_limit(stac
     stack.server.django(f"""
 from datetime import timedelta
 from django.utils import timezone
-from inference.models import Batch, BatchItem
+from batches.models import Batch, BatchItem
 Batch.objects.filter(pk={batch.id!r}).update(status="in_progress", output_file=None, completed_at=None)
 BatchItem.objects.filter(batch_id={batch.id!r}, line=1).update(
     state="running", attempts=5, claim="dead-worker", heartbeat_at=timezone.now() - timedelta(minutes=5),

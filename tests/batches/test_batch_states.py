@@ -1,4 +1,4 @@
-"""The item state machine of `inference.batches`, without a server or a worker: each step
+"""The item state machine of `batches.actions`, without a server or a worker: each step
 is one conditional UPDATE, and these tests drive the races a worker, a duplicate message,
 the sweep and a cancel can run into, one step at a time, against the real database and a
 real Redis. What they protect: every item ends with exactly one result.
@@ -14,9 +14,9 @@ import pytest
 from django.conf import settings as django_settings
 from django.utils import timezone
 
+from batches import actions as batch_actions
+from batches.models import Batch, BatchItem, File
 from config.celery import app as celery_app
-from inference import batches
-from inference.models import Batch, BatchItem, File
 from tenants import actions
 from tenants.models import Tenant
 
@@ -70,8 +70,8 @@ def input_file(n: int) -> bytes:
 
 
 def start_batch(tenant: Tenant, n: int) -> Batch:
-    file = batches.upload_file(tenant, "in.jsonl", input_file(n), "batch")
-    batch, created = batches.create_batch(tenant, batches.BatchSpec(file.id, CHAT_URL, "24h", None))
+    file = batch_actions.upload_file(tenant, "in.jsonl", input_file(n), "batch")
+    batch, created = batch_actions.create_batch(tenant, batch_actions.BatchSpec(file.id, CHAT_URL, "24h", None))
     assert created and batch.status == Status.IN_PROGRESS
     return batch
 
@@ -87,13 +87,13 @@ def item_at(batch: Batch, line: int) -> BatchItem:
 def claim(item: BatchItem) -> tuple[BatchItem, str]:
     """One delivery's claim of the item, which must succeed."""
     token = f"run-{uuid.uuid4().hex[:8]}"
-    claimed = batches.claim(item.pk, token)
+    claimed = batch_actions.claim(item.pk, token)
     assert claimed is not None, f"item on line {item.line} could not be claimed"
     return claimed, token
 
 
 def succeed(item: BatchItem, token: str) -> bool:
-    return batches.finish(item, token, 200, f"req-{token}", {"object": "chat.completion", "run": token})
+    return batch_actions.finish(item, token, 200, f"req-{token}", {"object": "chat.completion", "run": token})
 
 
 def results(batch: Batch) -> tuple[list[dict], list[dict]]:
@@ -114,7 +114,7 @@ def assert_each_custom_id_once(batch: Batch, outputs: list[dict], errors: list[d
 def queued_messages(redis) -> list[int]:
     """The item ids of the run messages waiting in the test Redis."""
     sent = [json.loads(raw) for raw in redis.lrange(QUEUE, 0, -1)]
-    assert all(message["headers"]["task"] == batches.RUN_TASK for message in sent)
+    assert all(message["headers"]["task"] == batch_actions.RUN_TASK for message in sent)
     return sorted(json.loads(message["headers"]["argsrepr"])[0] for message in sent)
 
 
@@ -136,10 +136,10 @@ def batch_underway(tenant: Tenant, n: int, finished: int, running: int) -> tuple
 def stop_batch(batch: Batch, reason: str) -> None:
     """Cancel the batch, or let the sweep expire it."""
     if reason == "cancelled":
-        batches.cancel(batch)
+        batch_actions.cancel(batch)
     else:
         Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
-        assert batches.sweep()["expired"] == 1
+        assert batch_actions.sweep()["expired"] == 1
 
 
 def states(batch: Batch) -> dict[int, str]:
@@ -159,12 +159,12 @@ def test_a_duplicate_delivery_finds_its_item_taken_and_does_nothing(tenant):
     item, token = claim(item_at(batch, 1))
     assert (item.state, item.attempts) == (State.RUNNING, 1)
 
-    assert batches.claim(item.pk, "run-duplicate") is None
+    assert batch_actions.claim(item.pk, "run-duplicate") is None
     item.refresh_from_db()
     assert (item.state, item.claim, item.attempts) == (State.RUNNING, token, 1)
 
     assert succeed(item, token)
-    assert batches.claim(item.pk, "run-late") is None  # delivered again after it finished
+    assert batch_actions.claim(item.pk, "run-late") is None  # delivered again after it finished
     item.refresh_from_db()
     assert (item.state, item.attempts, item.response["run"]) == (State.SUCCEEDED, 1, token)
 
@@ -173,19 +173,19 @@ def test_a_run_that_lost_its_claim_to_the_sweep_cannot_write_its_result(tenant):
     batch = start_batch(tenant, 1)
     item, old = claim(item_at(batch, 1))
     lapse_heartbeat(item)
-    assert batches.sweep()["requeued"] == 1
+    assert batch_actions.sweep()["requeued"] == 1
 
     # The run was only stalled, not killed: it wakes up to find the item gone.
-    assert not batches.heartbeat(item, old)
+    assert not batch_actions.heartbeat(item, old)
     assert not succeed(item, old)
     requeued = item_at(batch, 1)
     assert (requeued.state, requeued.status_code, requeued.response, requeued.claim) == (State.QUEUED, None, None, "")
 
     current, new = claim(requeued)
     assert current.attempts == 2  # the lost run's attempt stays counted
-    assert batches.heartbeat(current, new) and not batches.heartbeat(item, old)
+    assert batch_actions.heartbeat(current, new) and not batch_actions.heartbeat(item, old)
     assert not succeed(item, old)
-    batches.release(item, old, 0, counted=False)  # nor can it hand back what is no longer its own
+    batch_actions.release(item, old, 0, counted=False)  # nor can it hand back what is no longer its own
     assert (item_at(batch, 1).state, item_at(batch, 1).claim) == (State.RUNNING, new)
 
     assert succeed(current, new)
@@ -202,11 +202,11 @@ def test_an_uncounted_release_gives_the_attempt_back_and_waits_out_its_delay(ten
     batch = start_batch(tenant, 1)
     item, token = claim(item_at(batch, 1))
     busy = {"code": "lane_full", "message": "The lane is full."}
-    batches.release(item, token, 3600, counted=False, error=busy)
+    batch_actions.release(item, token, 3600, counted=False, error=busy)
 
     released = item_at(batch, 1)  # at the attempt limit, yet not failed: it was not the item's fault
     assert (released.state, released.attempts, released.claim, released.error) == (State.QUEUED, 0, "", busy)
-    assert batches.claim(released.pk, "run-early") is None  # its backoff is not over
+    assert batch_actions.claim(released.pk, "run-early") is None  # its backoff is not over
     BatchItem.objects.filter(pk=released.pk).update(not_before=timezone.now())  # ... and now it is
     again, _ = claim(released)
     assert again.attempts == 1
@@ -216,16 +216,16 @@ def test_a_counted_release_at_the_attempt_limit_fails_the_item(tenant, settings)
     settings.BATCH_MAX_ATTEMPTS = 2
     batch = start_batch(tenant, 1)
     item, token = claim(item_at(batch, 1))
-    batches.release(item, token, 0, counted=True, error={"code": "server_error", "message": "boom 1"})
+    batch_actions.release(item, token, 0, counted=True, error={"code": "server_error", "message": "boom 1"})
     assert (item_at(batch, 1).state, item_at(batch, 1).attempts) == (State.QUEUED, 1)
 
     item, token = claim(item_at(batch, 1))
     assert item.attempts == 2
-    batches.release(item, token, 0, counted=True, error={"code": "server_error", "message": "boom 2"})
+    batch_actions.release(item, token, 0, counted=True, error={"code": "server_error", "message": "boom 2"})
     failed = item_at(batch, 1)
     assert failed.state == State.FAILED
     assert failed.error["code"] == "attempts_exhausted" and "boom 2" in failed.error["message"]
-    assert batches.claim(failed.pk, "run-after") is None
+    assert batch_actions.claim(failed.pk, "run-after") is None
 
     outputs, errors = results(batch)
     assert batch.status == Status.COMPLETED and outputs == []
@@ -234,7 +234,7 @@ def test_a_counted_release_at_the_attempt_limit_fails_the_item(tenant, settings)
 
 def test_backoff_grows_with_attempts_is_jittered_and_capped(settings):
     settings.BATCH_RETRY_BASE_S, settings.BATCH_RETRY_MAX_S = 1.0, 60.0
-    draws = {attempts: [batches.backoff_s(attempts) for _ in range(200)] for attempts in range(1, 41)}
+    draws = {attempts: [batch_actions.backoff_s(attempts) for _ in range(200)] for attempts in range(1, 41)}
     for attempts in range(1, 6):  # below the cap, each attempt waits at least as long as any before
         assert min(draws[attempts + 1]) >= max(draws[attempts]), attempts
     assert all(0 < delay <= 60.0 for values in draws.values() for delay in values)
@@ -247,13 +247,13 @@ def test_backoff_grows_with_attempts_is_jittered_and_capped(settings):
 
 def test_cancel_stops_queued_items_at_once_and_running_ones_through_their_worker(tenant):
     batch, [(aborted, aborted_token), (answered, answered_token)] = batch_underway(tenant, 5, finished=1, running=2)
-    assert batches.cancel(batch).status == Status.CANCELLING
+    assert batch_actions.cancel(batch).status == Status.CANCELLING
     assert states(batch) == {1: State.SUCCEEDED, 2: State.RUNNING, 3: State.RUNNING, 4: State.CANCELLED,
                              5: State.CANCELLED}
-    assert batches.claim(item_at(batch, 4).pk, "run-late") is None  # its message arrives after the cancel
+    assert batch_actions.claim(item_at(batch, 4).pk, "run-late") is None  # its message arrives after the cancel
 
-    assert not batches.heartbeat(aborted, aborted_token)  # the worker polls, aborts, and says so
-    batches.stop(aborted, aborted_token)
+    assert not batch_actions.heartbeat(aborted, aborted_token)  # the worker polls, aborts, and says so
+    batch_actions.stop(aborted, aborted_token)
     assert succeed(answered, answered_token)  # this one's answer came before its worker noticed
 
     outputs, errors = results(batch)
@@ -269,8 +269,8 @@ def test_a_batch_past_its_window_is_expired_by_the_sweep_keeping_what_finished(t
     lapse_heartbeat(killed)
     stop_batch(batch, "expired")
     assert states(batch) == {1: State.SUCCEEDED, 2: State.RUNNING, 3: State.EXPIRED, 4: State.EXPIRED}
-    assert not batches.heartbeat(running, running_token)
-    batches.stop(running, running_token)
+    assert not batch_actions.heartbeat(running, running_token)
+    batch_actions.stop(running, running_token)
 
     outputs, errors = results(batch)
     assert batch.status == Status.EXPIRED and batch.expired_at is not None
@@ -286,11 +286,11 @@ def test_an_item_handed_back_after_its_batch_stopped_still_ends_with_one_result(
     stop_batch(batch, reason)
     # The engine answered "busy" (or the worker began shutting down) before the worker saw
     # the stop: it hands the item back instead of stopping it.
-    batches.release(item, token, 0, counted=False, error={"code": "lane_full", "message": "The lane is full."})
-    batches.sweep()
+    batch_actions.release(item, token, 0, counted=False, error={"code": "lane_full", "message": "The lane is full."})
+    batch_actions.sweep()
 
     outputs, errors = results(batch)
-    assert states(batch) == {1: batches.STOP_STATES[reason], 2: batches.STOP_STATES[reason]}
+    assert states(batch) == {1: batch_actions.STOP_STATES[reason], 2: batch_actions.STOP_STATES[reason]}
     assert batch.status == {"cancelled": Status.CANCELLED, "expired": Status.EXPIRED}[reason]
     assert outputs == [] and [line["error"]["code"] for line in errors] == [f"batch_{reason}"] * 2
 
@@ -301,7 +301,7 @@ def test_an_item_handed_back_after_its_batch_stopped_still_ends_with_one_result(
 def test_a_batch_is_finalized_once_whoever_calls_finalize(tenant):
     batch, [(first, first_token), (second, second_token)] = batch_underway(tenant, 2, finished=0, running=2)
     assert succeed(first, first_token)
-    assert not batches.finalize(batch.id)  # an item still runs: nothing to write yet
+    assert not batch_actions.finalize(batch.id)  # an item still runs: nothing to write yet
     assert not File.objects.filter(purpose=File.Purpose.BATCH_OUTPUT).exists()
 
     assert succeed(second, second_token)  # the last result finalizes the batch
@@ -309,9 +309,9 @@ def test_a_batch_is_finalized_once_whoever_calls_finalize(tenant):
     assert batch.status == Status.COMPLETED
     output_file_id = batch.output_file_id
 
-    assert not batches.finalize(batch.id)  # a second finalizer, the sweep, a late cancel: none rewrites
-    batches.sweep()
-    assert batches.cancel(batch).status == Status.COMPLETED
+    assert not batch_actions.finalize(batch.id)  # a second finalizer, the sweep, a late cancel: none rewrites
+    batch_actions.sweep()
+    assert batch_actions.cancel(batch).status == Status.COMPLETED
     assert list(File.objects.filter(purpose=File.Purpose.BATCH_OUTPUT).values_list("pk", flat=True)) == [output_file_id]
     outputs, errors = results(batch)
     assert batch.output_file_id == output_file_id and errors == []
@@ -326,13 +326,13 @@ def test_dispatch_keeps_a_window_of_items_in_flight_and_finishing_one_sends_the_
     batch = start_batch(tenant, 5)
     ids = [item.pk for item in items(batch)]
 
-    assert batches.dispatch(batch.id) == 2
+    assert batch_actions.dispatch(batch.id) == 2
     assert dispatched(batch) == ids[:2] and queued_messages(broker) == ids[:2]
-    assert batches.dispatch(batch.id) == 0  # the window is full
-    assert batches.sweep()["sent"] == 0
+    assert batch_actions.dispatch(batch.id) == 0  # the window is full
+    assert batch_actions.sweep()["sent"] == 0
 
     first, token = claim(item_at(batch, 1))  # (no worker here pops its message from the list)
-    assert batches.dispatch(batch.id) == 0  # a running item still holds its place in the window
+    assert batch_actions.dispatch(batch.id) == 0  # a running item still holds its place in the window
     assert succeed(first, token)
     assert dispatched(batch) == ids[1:3] and queued_messages(broker) == ids[:3]
 
@@ -341,19 +341,19 @@ def test_after_redis_restarts_empty_the_sweep_resends_what_it_carried(tenant, br
     settings.BATCH_DISPATCH_WINDOW = 2
     batch = start_batch(tenant, 4)
     ids = [item.pk for item in items(batch)]
-    assert batches.dispatch(batch.id) == 2
-    old_epoch = batches.current_epoch()
-    assert batches.sweep()["resent"] == 0  # the same Redis: nothing lost, nothing sent twice
+    assert batch_actions.dispatch(batch.id) == 2
+    old_epoch = batch_actions.current_epoch()
+    assert batch_actions.sweep()["resent"] == 0  # the same Redis: nothing lost, nothing sent twice
     assert queued_messages(broker) == ids[:2]
 
     broker.flushall()  # Redis restarted with nothing in it: both messages are gone
-    report = batches.sweep()
+    report = batch_actions.sweep()
     assert (report["resent"], report["sent"]) == (2, 2)
-    new_epoch = batches.current_epoch()
+    new_epoch = batch_actions.current_epoch()
     assert new_epoch != old_epoch
     epochs = dict(batch.items.filter(pk__in=ids[:2]).values_list("pk", "dispatch_epoch"))
     assert epochs == dict.fromkeys(ids[:2], new_epoch)
     assert dispatched(batch) == ids[:2] and queued_messages(broker) == ids[:2]
 
-    assert batches.sweep()["resent"] == 0
+    assert batch_actions.sweep()["resent"] == 0
     assert queued_messages(broker) == ids[:2]

@@ -49,7 +49,7 @@ from django.test import Client
 operator = User.objects.create_user({STAFF!r}, password={PASSWORD!r}, is_staff=True)
 # What the console's pages and writes need (console.views), as an admin would grant them.
 operator.user_permissions.add(*Permission.objects.filter(
-    content_type__app_label__in=["tenants", "inference"], codename__regex="^(view|add|change)_(tenant|apikey|batch)$"))
+    content_type__app_label__in=["tenants", "batches"], codename__regex="^(view|add|change)_(tenant|apikey|batch)$"))
 member = User.objects.create_user({MEMBER!r}, password={PASSWORD!r})
 client = Client()
 client.force_login(member)  # a session of a signed-in user who is not staff

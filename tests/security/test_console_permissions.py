@@ -64,7 +64,7 @@ def test_staff_without_model_permissions_can_neither_read_nor_write(tenant, djan
 
 
 def test_each_write_needs_its_own_permission_and_the_page_hides_what_it_cannot_do(tenant, django_user_model):
-    viewer = staff(django_user_model, "viewer", "tenants.view_tenant", "inference.view_batch")
+    viewer = staff(django_user_model, "viewer", "tenants.view_tenant", "batches.view_batch")
     page = viewer.get(f"/console/tenants/{tenant.pk}/").content.decode()
     assert 'id="issue-key"' not in page and 'id="change-tier"' not in page
     assert viewer.post(f"/console/tenants/{tenant.pk}/keys/", {"name": "x"}).status_code == 403

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from inference import batch_worker
+from batches import worker
 from inference.generation import engine_error
 from inference.host import EngineHost, EngineUnavailable
 from tests.batches.test_batch_states import broker, results, start_batch, tenant
@@ -64,7 +64,7 @@ def test_a_balancers_html_error_page_never_reaches_the_batch_error_file(tenant, 
     settings.BATCH_MAX_ATTEMPTS = 1
     settings.INTERNAL_API_TOKEN = settings.BATCH_WORKER_TOKEN = "worker-token-for-this-test-0123456789"
     batch = start_batch(tenant, 1)
-    outcome = batch_worker.run_item(batch.items.get().pk)
+    outcome = worker.run_item(batch.items.get().pk)
     assert outcome == "server-error", batch.items.get().error
     outputs, errors = results(batch)
     assert outputs == [] and len(errors) == 1

@@ -19,8 +19,8 @@ import pytest
 import requests
 from django.urls import resolve
 
+from batches.jsonl import parse_input
 from inference import catalog
-from inference.batch_files import parse_input
 from tenants import actions
 from tenants.errors import ApiError
 from tests.live import LiveServer
@@ -237,7 +237,7 @@ def test_a_tenant_cannot_store_files_past_its_limit(client, settings, redis):
 
 
 def test_a_tenant_checks_one_upload_at_a_time_and_others_keep_their_own(settings):
-    from inference.batch_views import upload_slot
+    from batches.views import upload_slot
 
     settings.FILES_MAX_CONCURRENT_UPLOADS = 1
     with upload_slot(1):

@@ -30,8 +30,8 @@ from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from config import redis as shared_redis
-from inference import batch_files
-from inference.models import Batch, BatchItem, File
+from batches import jsonl
+from batches.models import Batch, BatchItem, File
 from tenants.errors import ApiError
 from tenants.models import Tenant
 
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 Status, State = Batch.Status, BatchItem.State
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 EPOCH_KEY = "batches:epoch"
+# Named before batch jobs left the inference app; queued messages carry the name (see tasks).
 RUN_TASK = "inference.run_batch_item"
 STOP_STATES = {"cancelled": State.CANCELLED, "expired": State.EXPIRED}
 STOP_ERRORS = {
@@ -62,7 +63,7 @@ def require_batch_tier(tenant: Tenant) -> None:
 
 
 def upload_file(tenant: Tenant, filename: str, content: bytes | BinaryIO, purpose: str) -> File:
-    """Store an input file after checking every line (`batch_files.parse_input`).
+    """Store an input file after checking every line (`jsonl.parse_input`).
 
     `content` may be an uploaded file (Django spools large ones to disk): its lines are
     checked straight from it, and its bytes read into memory once, for the row."""
@@ -75,11 +76,11 @@ def upload_file(tenant: Tenant, filename: str, content: bytes | BinaryIO, purpos
                        code="file_too_large", param="file")
     if not isinstance(content, bytes):
         content.seek(0)
-        batch_files.parse_input(content, settings.BATCH_MAX_LINES)
+        jsonl.parse_input(content, settings.BATCH_MAX_LINES)
         content.seek(0)
         content = content.read()
     else:
-        batch_files.parse_input(content, settings.BATCH_MAX_LINES)
+        jsonl.parse_input(content, settings.BATCH_MAX_LINES)
     return File.objects.create(tenant=tenant, purpose=purpose, filename=filename[:255] or "upload.jsonl",
                                content=content, bytes=len(content))
 
@@ -134,8 +135,8 @@ def _replayed(batch: Batch, spec: BatchSpec) -> Batch:
 
 
 def _create_batch(tenant: Tenant, spec: BatchSpec) -> Batch:
-    if spec.endpoint not in batch_files.ENDPOINTS:
-        raise ApiError(400, f"'endpoint' must be one of {', '.join(batch_files.ENDPOINTS)}.", code="invalid_value",
+    if spec.endpoint not in jsonl.ENDPOINTS:
+        raise ApiError(400, f"'endpoint' must be one of {', '.join(jsonl.ENDPOINTS)}.", code="invalid_value",
                        param="endpoint")
     window = COMPLETION_WINDOWS.get(spec.completion_window)
     if window is None:
@@ -149,14 +150,14 @@ def _create_batch(tenant: Tenant, spec: BatchSpec) -> Batch:
     batch = Batch.objects.create(tenant=tenant, endpoint=spec.endpoint, input_file_id=file.id,
                                  completion_window=spec.completion_window, metadata=spec.metadata,
                                  idempotency_key=spec.idempotency_key, created_at=now, expires_at=now + window)
-    lines = batch_files.parse_stored(bytes(file.content))
+    lines = jsonl.parse_stored(bytes(file.content))
     wrong = [(line.line, line.url) for line in lines if line.url != spec.endpoint]
     if wrong:
         batch.status, batch.failed_at = Status.FAILED, now
         batch.errors = {"object": "list", "data": [
             {"code": "mismatched_endpoint", "line": n, "param": "url",
              "message": f"The line's url {url} does not match the batch's endpoint {spec.endpoint}."}
-            for n, url in wrong[:batch_files.MAX_REPORTED]]}
+            for n, url in wrong[:jsonl.MAX_REPORTED]]}
         batch.save(update_fields=["status", "failed_at", "errors"])
         return batch
     BatchItem.objects.bulk_create(
@@ -352,7 +353,7 @@ def _write_results(batch: Batch, now: datetime) -> None:
     failures: list[str] = []
     prefix = f"batch_req_{batch.id.removeprefix('batch_')}"
     for item in batch.items.order_by("line").iterator(chunk_size=500):
-        line = batch_files.output_line(f"{prefix}_{item.line}", item.custom_id, item.status_code, item.request_id,
+        line = jsonl.output_line(f"{prefix}_{item.line}", item.custom_id, item.status_code, item.request_id,
                                        item.response, None if item.status_code is not None else item.error)
         (outputs if item.state == State.SUCCEEDED else failures).append(line)
     with transaction.atomic():

@@ -26,7 +26,7 @@ from http import HTTPStatus
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from inference.batch_files import too_many_lines
+from batches.jsonl import too_many_lines
 from tenants.authentication import authenticate_bearer
 from tenants.errors import ApiError
 

@@ -3,8 +3,11 @@
 The database is the source of truth for a batch: one `BatchItem` row per input line holds
 its state and, once final, its result. Celery only carries "run item N" messages; losing
 one (a killed worker, a Redis that restarted empty) loses nothing, because the sweep
-(`inference.batches.sweep`) sends it again from these rows. Every write goes through
-`inference.batches`.
+(`batches.actions.sweep`) sends it again from these rows. Every write goes through
+`batches.actions`.
+
+The tables keep the names they had when these models were the inference app's
+(`Meta.db_table`): moving the models into this app moved no row.
 """
 import secrets
 
@@ -44,6 +47,7 @@ class File(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
+        db_table = "inference_file"
         ordering = ["-created_at", "-id"]
 
     def __str__(self) -> str:
@@ -89,6 +93,7 @@ class Batch(models.Model):
     cancelled_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "inference_batch"
         ordering = ["-created_at", "-id"]
         verbose_name_plural = "batches"
         constraints = [
@@ -136,6 +141,7 @@ class BatchItem(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "inference_batchitem"
         ordering = ["batch", "line"]
         constraints = [models.UniqueConstraint(fields=["batch", "custom_id"], name="batch_item_custom_id_unique")]
         indexes = [models.Index(fields=["batch", "state"]), models.Index(fields=["state", "dispatched_at"])]

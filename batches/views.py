@@ -1,4 +1,4 @@
-"""The OpenAI Files and Batch APIs. Views parse, call `inference.batches`, and respond.
+"""The OpenAI Files and Batch APIs. Views parse, call `batches.actions`, and respond.
 
 Every lookup is scoped to the caller's tenant, so another tenant's file or batch is a
 404, exactly like one that does not exist.
@@ -23,8 +23,8 @@ from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from inference import batches
-from inference.models import Batch, File
+from batches import actions
+from batches.models import Batch, File
 from tenants.api import TenantAPIView
 from tenants.errors import ApiError
 
@@ -128,8 +128,8 @@ class FileList(TenantAPIView):
             raise ApiError(400, "'purpose' is required (\"batch\").", code="missing_required_parameter", param="purpose")
         _check_storage(request.user, upload.size)
         with upload_slot(request.user.pk):
-            file = batches.upload_file(request.user, upload.name or "", upload, purpose)
-        return Response(batches.file_object(file))
+            file = actions.upload_file(request.user, upload.name or "", upload, purpose)
+        return Response(actions.file_object(file))
 
     @extend_schema(operation_id="listFiles", tags=["files"], parameters=[
         *PAGE_PARAMS, OpenApiParameter("purpose", str)], responses={200: _list_schema("FileList", "File", FILE_FIELDS)})
@@ -137,7 +137,7 @@ class FileList(TenantAPIView):
         files = File.objects.filter(tenant=request.user).defer("content")
         if request.query_params.get("purpose"):
             files = files.filter(purpose=request.query_params["purpose"])
-        return Response(_page(files, request, batches.file_object))
+        return Response(_page(files, request, actions.file_object))
 
 
 _uploading: Counter = Counter()  # tenant id -> uploads being checked in this process
@@ -199,12 +199,12 @@ class FileDetail(TenantAPIView):
 
     @extend_schema(operation_id="retrieveFile", tags=["files"], responses={200: FILE_SCHEMA})
     def get(self, request: Request, file_id: str) -> Response:
-        return Response(batches.file_object(_own_file(request, file_id)))
+        return Response(actions.file_object(_own_file(request, file_id)))
 
     @extend_schema(operation_id="deleteFile", tags=["files"], responses={200: inline_serializer("FileDeleted", {
         "id": serializers.CharField(), "object": serializers.CharField(), "deleted": serializers.BooleanField()})})
     def delete(self, request: Request, file_id: str) -> Response:
-        batches.delete_file(_own_file(request, file_id))
+        actions.delete_file(_own_file(request, file_id))
         return Response({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -234,7 +234,7 @@ class FileContent(TenantAPIView):
         return response
 
 
-def _batch_spec(request: Request) -> batches.BatchSpec:
+def _batch_spec(request: Request) -> actions.BatchSpec:
     data = request.data
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -256,7 +256,7 @@ def _batch_spec(request: Request) -> batches.BatchSpec:
     if len(key) > MAX_IDEMPOTENCY_KEY:
         raise ApiError(400, f"The Idempotency-Key header is longer than {MAX_IDEMPOTENCY_KEY} characters.",
                        code="invalid_value", param="Idempotency-Key")
-    return batches.BatchSpec(data["input_file_id"], data["endpoint"], data["completion_window"], metadata, key)
+    return actions.BatchSpec(data["input_file_id"], data["endpoint"], data["completion_window"], metadata, key)
 
 
 class BatchList(TenantAPIView):
@@ -272,13 +272,13 @@ class BatchList(TenantAPIView):
                        "completion_window": serializers.ChoiceField(choices=["24h"]),
                        "metadata": serializers.DictField(child=serializers.CharField(), required=False)}))
     def post(self, request: Request) -> Response:
-        batch, _ = batches.create_batch(request.user, _batch_spec(request))
-        return Response(batches.batch_object(batch))
+        batch, _ = actions.create_batch(request.user, _batch_spec(request))
+        return Response(actions.batch_object(batch))
 
     @extend_schema(operation_id="listBatches", tags=["batches"], parameters=PAGE_PARAMS,
                    responses={200: _list_schema("BatchList", "Batch", BATCH_FIELDS)})
     def get(self, request: Request) -> Response:
-        return Response(_page(Batch.objects.filter(tenant=request.user), request, batches.batch_object))
+        return Response(_page(Batch.objects.filter(tenant=request.user), request, actions.batch_object))
 
 
 files = _posts_off_the_shared_thread(FileList)
@@ -290,7 +290,7 @@ class BatchDetail(TenantAPIView):
 
     @extend_schema(operation_id="retrieveBatch", tags=["batches"], responses={200: BATCH_SCHEMA})
     def get(self, request: Request, batch_id: str) -> Response:
-        return Response(batches.batch_object(_own_batch(request, batch_id)))
+        return Response(actions.batch_object(_own_batch(request, batch_id)))
 
 
 class BatchCancel(TenantAPIView):
@@ -301,4 +301,4 @@ class BatchCancel(TenantAPIView):
         batch = _own_batch(request, batch_id)
         if batch.status in (Batch.Status.COMPLETED, Batch.Status.FAILED, Batch.Status.EXPIRED):
             raise ApiError(409, f"Cannot cancel a batch that is {batch.status}.", code="batch_not_cancellable")
-        return Response(batches.batch_object(batches.cancel(batch)))
+        return Response(actions.batch_object(actions.cancel(batch)))

@@ -1,6 +1,6 @@
 """Admin pages for batch jobs: progress per batch, items by state, a cancel action.
 
-Rows are written by `inference.batches` only; these pages read them and cancel batches.
+Rows are written by `batches.actions` only; these pages read them and cancel batches.
 """
 from typing import Any
 
@@ -9,8 +9,8 @@ from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
-from inference import batches
-from inference.models import Batch, BatchItem, File
+from batches import actions as batch_actions
+from batches.models import Batch, BatchItem, File
 
 State = BatchItem.State
 
@@ -57,7 +57,7 @@ class BatchAdmin(ReadOnlyAdmin):
         cancelled = 0
         for batch in queryset:
             if batch.status in (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS):
-                batches.cancel(batch)
+                batch_actions.cancel(batch)
                 cancelled += 1
         self.message_user(request, f"Cancelling {cancelled} batch(es); running items are being aborted.", messages.SUCCESS)
 

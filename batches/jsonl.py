@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from django.conf import settings
 
-from inference import catalog
+from inference import catalog, protocol
 from tenants.errors import ApiError
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -68,10 +68,6 @@ def _check_line(data: Any) -> str | None:
 
 
 def _check_body(url: str, body: dict) -> str | None:
-    # Imported here: the protocol module brings in the engine's SamplingParams (and torch),
-    # which the URL map, `manage.py` and the Celery worker must not load.
-    from inference import protocol
-
     try:
         request = protocol.parse_chat(body) if ENDPOINTS[url] == "chat" else protocol.parse_completion(body)
     except ApiError as error:
@@ -85,8 +81,6 @@ def _check_body(url: str, body: dict) -> str | None:
 
 
 def _parse_line(raw: str) -> dict:
-    from inference import protocol
-
     return protocol.parse_body(raw.encode())
 
 

@@ -25,8 +25,9 @@ import httpx2 as httpx
 from django.conf import settings
 from django.db import close_old_connections
 
-from inference import batches, public_errors
-from inference.models import BatchItem
+from batches import actions
+from batches.models import Batch, BatchItem
+from inference import public_errors
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def run_item(item_id: int) -> str:
     """One delivery of one item; returns what happened (for logs and tests)."""
     close_old_connections()
     token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-    item = batches.claim(item_id, token)
+    item = actions.claim(item_id, token)
     if item is None:
         return "skipped"
     request_id = f"batchreq-{item.batch_id.removeprefix('batch_')}-{item.line}-{item.attempts}"
@@ -110,7 +111,7 @@ def run_item(item_id: int) -> str:
         outcome = _wait(item, token, call)
     except BaseException:
         call.cancel()
-        batches.release(item, token, batches.backoff_s(item.attempts), counted=False)
+        actions.release(item, token, actions.backoff_s(item.attempts), counted=False)
         raise
     return outcome
 
@@ -124,28 +125,28 @@ def _wait(item: BatchItem, token: str, call: concurrent.futures.Future) -> str:
         except concurrent.futures.TimeoutError:
             pass
         except httpx.ConnectError as exc:  # no replica answered: not the item's fault
-            batches.release(item, token, batches.backoff_s(item.attempts), counted=False, error=_transport_error(exc))
+            actions.release(item, token, actions.backoff_s(item.attempts), counted=False, error=_transport_error(exc))
             return "engine-unreachable"
         except (httpx.TransportError, httpx.TimeoutException) as exc:
-            batches.release(item, token, batches.backoff_s(item.attempts), counted=True, error=_transport_error(exc))
+            actions.release(item, token, actions.backoff_s(item.attempts), counted=True, error=_transport_error(exc))
             return "transport-error"
         else:
             return _settle(item, token, answer)
         if shutting_down.is_set():
             call.cancel()
-            batches.release(item, token, 0, counted=False)
+            actions.release(item, token, 0, counted=False)
             return "released-for-shutdown"
         if time.monotonic() - last_beat >= beat_every or _stopped(item, token):
             last_beat = time.monotonic()
-            if not batches.heartbeat(item, token):
+            if not actions.heartbeat(item, token):
                 call.cancel()  # the connection closes; the engine aborts the request
-                batches.stop(item, token)
+                actions.stop(item, token)
                 return "stopped"
 
 
 def _stopped(item: BatchItem, token: str) -> bool:
     """Cheap check between heartbeats: is the item's batch stopping?"""
-    return batches.Batch.objects.filter(pk=item.batch_id).exclude(stop_reason="").exists()
+    return Batch.objects.filter(pk=item.batch_id).exclude(stop_reason="").exists()
 
 
 def _transport_error(exc: Exception) -> dict:
@@ -158,13 +159,13 @@ def _settle(item: BatchItem, token: str, answer: Answer) -> str:
     code = _error_code(answer)
     if (answer.status_code, code) == (429, "lane_full") or answer.status_code == 503:
         # Engine back-pressure or a platform dependency away: retry later, never drop.
-        delay = max(answer.retry_after_s or 0, batches.backoff_s(1))
-        batches.release(item, token, delay, counted=False, error=answer.body.get("error"))
+        delay = max(answer.retry_after_s or 0, actions.backoff_s(1))
+        actions.release(item, token, delay, counted=False, error=answer.body.get("error"))
         return "backpressure"
     if answer.status_code >= 500:
-        batches.release(item, token, batches.backoff_s(item.attempts), counted=True, error=answer.body.get("error"))
+        actions.release(item, token, actions.backoff_s(item.attempts), counted=True, error=answer.body.get("error"))
         return "server-error"
-    batches.finish(item, token, answer.status_code, answer.request_id, answer.body)
+    actions.finish(item, token, answer.status_code, answer.request_id, answer.body)
     log.info("batch %s: item line %d -> %d", item.batch_id, item.line, answer.status_code)
     return "finished"
 
@@ -173,13 +174,13 @@ def _settle(item: BatchItem, token: str, answer: Answer) -> str:
 
 
 def start_sweeper(stop: threading.Event) -> threading.Thread:
-    """Sweep every BATCH_SWEEP_INTERVAL_S until `stop` is set (see `batches.sweep`)."""
+    """Sweep every BATCH_SWEEP_INTERVAL_S until `stop` is set (see `actions.sweep`)."""
 
     def loop() -> None:
         while not stop.wait(settings.BATCH_SWEEP_INTERVAL_S):
             close_old_connections()
             try:
-                report = batches.sweep()
+                report = actions.sweep()
             except Exception:
                 log.exception("batch sweep failed; next pass in %.0f s", settings.BATCH_SWEEP_INTERVAL_S)
                 continue
