@@ -31,7 +31,7 @@ import kernels  # noqa: E402
 from bench.engine_throughput import hf_static, make_requests, ours_batch1, ours_offline  # noqa: E402
 from bench.gpu_kernel_check import parse_args, print_table  # noqa: E402
 from inference.engine.config import EngineConfig  # noqa: E402
-from inference.engine.engine import LLMEngine  # noqa: E402
+from inference.engine.engine import LLMEngine, LoadedModel  # noqa: E402
 from inference.engine.loader import load_model  # noqa: E402
 from inference.engine.sequence import SamplingParams  # noqa: E402
 
@@ -87,7 +87,7 @@ def sync(dev: torch.device) -> None:
 def fp32_parity(folder: Path, dev: torch.device, sizes: Sizes) -> str:
     hf32 = load_hf(folder, torch.float32, dev)
     model, _ = load_model(str(folder), torch.float32, dev)
-    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="float32"), model=model)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="float32"), LoadedModel(model))
     reqs = make_requests(sizes.parity_prompts, seed=3, vocab=49152)
     for i, (prompt, _) in enumerate(reqs):
         engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -132,7 +132,7 @@ def bf16_throughput(folder: Path, dev: torch.device, sizes: Sizes) -> list[tuple
     b1_prompt = make_requests(1, seed=1, vocab=49152)[0][0][:32]
 
     model, _ = load_model(str(folder), torch.bfloat16, dev)
-    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="bfloat16", kv_cache_bytes=4 << 30), model=model)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="bfloat16", kv_cache_bytes=4 << 30), LoadedModel(model))
     ours_offline(engine, [(p, 4) for p, _ in offline[:8]])  # compiles the kernels' specialisations
     ours = {"decode": ours_offline(engine, decode), "offline": ours_offline(engine, offline)}
     ours["b1"], _ = ours_batch1(engine, b1_prompt, sizes.b1_tokens)

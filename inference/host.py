@@ -100,7 +100,7 @@ class EngineHost:
 
             config = engine_config()
             log.info("loading model %s (device %s, dtype %s)", config.model, config.device, config.dtype)
-            engine = LLMEngine(config)
+            engine = LLMEngine.from_config(config)
             async_engine = AsyncEngine(engine, metrics=EngineMetrics())
             async_engine.start()
         except Exception as exc:  # a bad model path, out of memory...: say so on /readyz and to callers

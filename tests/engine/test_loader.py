@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine import loader
 from inference.engine.loader import load_model
 from inference.engine.sequence import SamplingParams
@@ -77,7 +77,7 @@ CUTS = (1, 5, 17, 40)
 
 
 def our_logits(model) -> torch.Tensor:
-    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=8), model=model)
+    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=8), LoadedModel(model))
     for cut in CUTS:
         engine.add_request(f"cut-{cut}", PROMPT[:cut], SamplingParams(temperature=0, max_tokens=1))
     seqs, logits = engine.runner.compute_logits(engine.scheduler.schedule())

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kernels
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.models.llama import GateUp, Linear, LlamaModel, ModelConfig, random_tensors
 from inference.engine.sequence import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
@@ -801,7 +801,7 @@ def greedy_runs(monkeypatch, backend: str, dtype: torch.dtype):
     # A 16-token step budget chunks the long prompts while the short ones decode, so steps
     # mix decodes with prefill chunks; the shared 40-token prefix makes later chunks start
     # after cached blocks.
-    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8), model=model)
+    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8), LoadedModel(model))
     g = gen(11)
     prefix = torch.randint(0, ENGINE_MODEL.vocab_size, (40,), generator=g).tolist()
     prompts = [torch.randint(0, ENGINE_MODEL.vocab_size, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70)]

@@ -15,6 +15,7 @@ import pytest
 
 from inference import readiness
 from inference.engine.async_engine import AsyncEngine
+from inference.engine.model_runner import ModelRunner
 from inference.engine.sequence import SamplingParams
 from inference.host import EngineHost
 from tests.engine import tiny
@@ -50,9 +51,8 @@ class HeldRunner:
 
 @pytest.fixture
 def stuck_engine():
-    engine = tiny.tiny_engine(swap_space_bytes=1 << 16)
-    runner = HeldRunner(engine.runner)
-    engine.runner = runner
+    engine = tiny.tiny_engine(swap_space_bytes=1 << 16, make_runner=lambda model, **kv_cache: HeldRunner(ModelRunner(model, **kv_cache)))
+    runner = engine.runner
     clock = FakeClock()
     async_engine = AsyncEngine(engine, clock=clock, lease_s=10**9)
     async_engine.start()
