@@ -104,7 +104,12 @@ class EngineHost:
             async_engine = AsyncEngine(engine, metrics=EngineMetrics())
             async_engine.start()
         except Exception as exc:  # a bad model path, out of memory...: say so on /readyz and to callers
-            log.exception("the engine failed to load")
+            from inference.engine.errors import ConfigError  # plain Python, imports nothing
+
+            if isinstance(exc, ConfigError):  # the settings, not the code: the operator's to fix, no traceback
+                log.error("the engine cannot start with these INFERENCE settings: %s", exc)
+            else:
+                log.exception("the engine failed to load")
             self._error = f"{type(exc).__name__}: {exc}"
             self._state = FAILED
         else:

@@ -107,7 +107,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """The real engine: the configured model's weights loaded on the configured device and
-        dtype, with its tokenizer, a KV cache sized by the config and a ModelRunner over it."""
+        dtype, with its tokenizer, a KV cache sized by the config and a ModelRunner over it.
+        Raises ConfigError for a device or dtype this machine cannot use, or a model
+        architecture it cannot run."""
         device = resolve_device(config.device)
         model, source = load_model(config.model, resolve_dtype(config.dtype, device), device)
         return cls(config, LoadedModel(model, Tokenizer.load(source), source.name))

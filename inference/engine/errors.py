@@ -21,6 +21,18 @@ class InvalidRequestError(EngineError, ValueError):
         self.code = code
 
 
+class ConfigError(EngineError, ValueError):
+    """The engine cannot be built as configured (an unknown kernels choice, a device this
+    machine lacks, a model it cannot read...). A startup failure for the operator, never a
+    tenant's bad request: it is not an InvalidRequestError, which the API answers with 400.
+    A ValueError too, as the plain bad values it replaces were."""
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.setting = setting
+
+
 class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str):
         super().__init__(f"request id {request_id!r} is already in flight", param="request_id", code="duplicate_request_id")

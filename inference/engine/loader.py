@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inference.engine.errors import ConfigError
 from inference.engine.models.llama import LlamaModel, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)} are)")
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)} are)", setting="model")
     heads = int(field(f"{arch}.attention.head_count"))
     kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
     hidden = int(field(f"{arch}.embedding_length"))
@@ -203,7 +204,7 @@ def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type", "llama")
     if model_type not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2, mistral are)")
+        raise ConfigError(f"model_type {model_type!r} is not supported (llama, qwen2, mistral are)", setting="model")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine, LoadedModel
+from inference.engine.errors import ConfigError
 from inference.engine import loader
 from inference.engine.loader import load_model
 from inference.engine.sequence import SamplingParams
@@ -146,7 +147,7 @@ def test_unsupported_model_type_is_a_clear_error(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
 
 

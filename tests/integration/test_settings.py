@@ -1,4 +1,5 @@
 """Settings: engine settings are validated at start, and no model is loaded at import time."""
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,25 @@ def test_a_bad_engine_setting_fails_the_system_checks(settings, key, value):
     settings.INFERENCE = {**settings.INFERENCE, key: value}
     with pytest.raises(SystemCheckError, match=f"INFERENCE_{key}"):
         call_command("check")
+
+
+@pytest.mark.parametrize("key, value, says", [("DTYPE", "int8", "dtype must be auto or one of")])
+def test_a_config_error_fails_the_engine_start_for_the_operator_and_is_a_503_to_tenants(settings, caplog, key, value,
+                                                                                          says):
+    # Past the system checks (a setting changed under a running process, or one they do not
+    # cover): the engine build raises ConfigError, which leaves the host failed with the
+    # message for /readyz and the operator's stats, and a tenant's request sees 503, never 400.
+    from inference.generation import engine_error
+    from inference.host import FAILED, EngineHost, EngineUnavailable
+    from inference.readiness import engine_state
+
+    settings.INFERENCE = {**settings.INFERENCE, key: value, "DEVICE": "cpu"}
+    host = EngineHost()
+    with caplog.at_level("ERROR", logger="inference.host"):
+        with pytest.raises(EngineUnavailable) as caught:
+            asyncio.run(host.wait_engine(timeout=120))
+    assert caught.value.state == host.state == FAILED
+    assert host.error.startswith("ConfigError: ") and says in host.error
+    assert engine_state(host).detail == host.error
+    assert any("cannot start with these INFERENCE settings" in r.getMessage() and not r.exc_info for r in caplog.records)
+    assert engine_error(caught.value).status == 503
