@@ -8,6 +8,7 @@ from django.core.checks import Error, Tags, Warning, register
 POLICIES = ("priority", "fcfs", "shortest_first")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "reference", "triton", "cpu")  # kernels.CHOICES, named here so checks import no torch
 MIN_INTERNAL_TOKEN_LENGTH = 32
 
 
@@ -28,6 +29,8 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
         problems.append(Error("INFERENCE_SWAP_BYTES must not be negative.", id="inference.E004"))
     if conf["AGING_S"] <= 0:
         problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
+    if conf["KERNELS"] not in KERNELS:
+        problems.append(Error(f"KERNELS must be one of {', '.join(KERNELS)}.", id="inference.E006"))
     return problems
 
 

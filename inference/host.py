@@ -51,6 +51,8 @@ def engine_config() -> EngineConfig:
         tenant_queue_share=conf["TENANT_QUEUE_SHARE"],
         crowd_sit_out_seqs=conf["CROWD_SIT_OUT_SEQS"],
         crowd_sit_out_every=conf["CROWD_SIT_OUT_EVERY"],
+        kernels=conf["KERNELS"],
+        cache_dir=conf["CACHE_DIR"] or None,
     )
 
 
@@ -99,7 +101,8 @@ class EngineHost:
             from inference.engine.metrics import EngineMetrics
 
             config = engine_config()
-            log.info("loading model %s (device %s, dtype %s)", config.model, config.device, config.dtype)
+            log.info("loading model %s (device %s, dtype %s, kernels %s)", config.model, config.device, config.dtype,
+                     config.kernels)
             engine = LLMEngine.from_config(config)
             async_engine = AsyncEngine(engine, metrics=EngineMetrics())
             async_engine.start()

@@ -1,7 +1,8 @@
 """Engine configuration: one frozen value, built once from the caller's settings.
 
-A value the engine cannot be built with raises ConfigError, a startup failure, never an
-InvalidRequestError."""
+Everything the engine and its kernels are told comes in here: neither reads the
+environment (the Django settings do, and pass it on). A value the engine cannot be
+built with raises ConfigError, a startup failure, never an InvalidRequestError."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.engine.errors import ConfigError
+from kernels.dispatch import CHOICES as KERNELS_CHOICES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,8 +109,16 @@ class EngineConfig:
     crowd_sit_out_seqs: int = 4
     crowd_sit_out_every: int = 4
     seed: int = 0
+    # Which kernel implementations the model runs (KERNELS_CHOICES): "auto" (Triton on CUDA,
+    # the compiled CPU kernels where they built, else the PyTorch references), "reference",
+    # "triton" or "cpu" to force one.
+    kernels: str = "auto"
+    # Where converted weights and tokenizers are kept (None: ~/.cache/llm-platform).
+    cache_dir: str | None = None
 
     def __post_init__(self):
+        if self.kernels not in KERNELS_CHOICES:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS_CHOICES)}, got {self.kernels!r}", setting="kernels")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size must be a positive power of two", setting="block_size")
         if self.max_num_seqs < 1:

@@ -106,13 +106,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """The real engine: the configured model's weights loaded on the configured device and
-        dtype, with its tokenizer, a KV cache sized by the config and a ModelRunner over it.
-        Raises ConfigError for a device or dtype this machine cannot use, or a model
-        architecture it cannot run."""
+        """The real engine: the configured model's weights loaded (through the cache in
+        config.cache_dir) on the configured device and dtype, running config.kernels, with its
+        tokenizer, a KV cache sized by the config and a ModelRunner over it. Raises ConfigError
+        for a device or dtype this machine cannot use, or a model architecture it cannot run."""
         device = resolve_device(config.device)
-        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device)
-        return cls(config, LoadedModel(model, Tokenizer.load(source), source.name))
+        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.kernels)
+        return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name))
 
     # -- requests -------------------------------------------------------------------------
 

@@ -76,6 +76,13 @@ def _config_error(build) -> ConfigError:
     return info.value
 
 
+def test_an_unknown_kernels_choice_is_a_config_error_not_a_bad_request():
+    error = _config_error(lambda: EngineConfig(kernels="cuda-magic"))
+    assert error.setting == "kernels" and "auto, reference, triton, cpu" in error.message
+    for choice in ("auto", "reference", "triton", "cpu"):
+        assert EngineConfig(kernels=choice).kernels == choice
+
+
 @pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_seqs=0), dict(policy="random"), dict(tenant_queue_share=0)],
                          ids=["block_size", "max_num_seqs", "policy", "tenant_queue_share"])
 def test_every_invalid_engine_setting_is_a_config_error(bad):

@@ -207,10 +207,10 @@ def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def test_a_gguf_file_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
     path = tmp_path / "tiny.gguf"
     arrays = write_tiny_gguf(path)
-    config, tensors = loader.read_gguf(path)
+    config, tensors = loader.read_gguf(path, cache)
     assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(arrays["blk.0.ffn_down.weight"]))
     (cached,) = (tmp_path / "cache" / "weights").iterdir()
 
@@ -218,24 +218,23 @@ def test_a_gguf_file_is_converted_once_then_read_from_the_cache(tmp_path, monkey
         raise AssertionError("converted again although a converted copy was cached")
 
     monkeypatch.setattr(loader, "convert_gguf", no_conversion)
-    again_config, again = loader.read_gguf(path)
+    again_config, again = loader.read_gguf(path, cache)
     assert again_config == config and config.eos_token_ids == (2,) and config.num_kv_heads == 2
     assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
 
     # A damaged copy is converted again and replaced; a file with other contents gets a copy
     # of its own, and the same contents elsewhere share the first.
     monkeypatch.undo()
-    monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
     cached.write_bytes(cached.read_bytes()[:100])
-    _, repaired = loader.read_gguf(path)
+    _, repaired = loader.read_gguf(path, cache)
     assert all(torch.equal(repaired[k], tensors[k]) for k in tensors)
     assert cached.stat().st_size > 100
     elsewhere = tmp_path / "elsewhere.gguf"
     elsewhere.write_bytes(path.read_bytes())
     os.utime(elsewhere, ns=(1, 1))
-    loader.read_gguf(elsewhere)
+    loader.read_gguf(elsewhere, cache)
     assert list((tmp_path / "cache" / "weights").iterdir()) == [cached]
     other = write_tiny_gguf(path, seed=1)
-    _, changed = loader.read_gguf(path)
+    _, changed = loader.read_gguf(path, cache)
     assert torch.equal(changed["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(other["blk.0.ffn_down.weight"]))
     assert len(list((tmp_path / "cache" / "weights").iterdir())) == 2

@@ -39,7 +39,14 @@ def test_a_bad_engine_setting_fails_the_system_checks(settings, key, value):
         call_command("check")
 
 
-@pytest.mark.parametrize("key, value, says", [("DTYPE", "int8", "dtype must be auto or one of")])
+def test_a_bad_kernels_setting_fails_the_system_checks(settings):
+    settings.INFERENCE = {**settings.INFERENCE, "KERNELS": "cuda-magic"}
+    with pytest.raises(SystemCheckError, match="KERNELS must be one of"):
+        call_command("check")
+
+
+@pytest.mark.parametrize("key, value, says", [("KERNELS", "cuda-magic", "kernels must be one of"),
+                                              ("DTYPE", "int8", "dtype must be auto or one of")])
 def test_a_config_error_fails_the_engine_start_for_the_operator_and_is_a_503_to_tenants(settings, caplog, key, value,
                                                                                           says):
     # Past the system checks (a setting changed under a running process, or one they do not
