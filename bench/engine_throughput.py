@@ -272,16 +272,16 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     print(f"# device={device} dtype={dtype} threads={threads} torch={torch.__version__}", flush=True)
 
-    engine = LLMEngine(
+    engine = LLMEngine.from_config(
         EngineConfig(dtype=str(dtype).removeprefix("torch."), device=args.device, kv_cache_bytes=1 << 30, max_num_seqs=64, max_num_batched_tokens=2048)
     )
-    ours_model, ours_tokenizer, ours_config = engine.model, engine.tokenizer, engine.config
+    ours_loaded, ours_model, ours_config = engine.loaded, engine.model, engine.config
     vocab = engine.vocab_size
     del engine  # its KV cache: every measurement below builds its own
 
     def fresh_engine(caching: bool) -> LLMEngine:
         # The same weights, a fresh cache: nothing carried over between measurements.
-        return LLMEngine(replace(ours_config, enable_prefix_caching=caching), model=ours_model, tokenizer=ours_tokenizer)
+        return LLMEngine(replace(ours_config, enable_prefix_caching=caching), ours_loaded)
 
     reqs = make_requests(args.requests, seed=0, vocab=vocab)
     useful = sum(out for _, out in reqs)

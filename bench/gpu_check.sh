@@ -16,9 +16,11 @@ export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 out="${OUT:-$(mktemp -d)}"
 dry=""
+kernels=""
 if [[ "${1:-}" == "--dry-run" ]]; then
   dry="--dry-run"
-  export TRITON_INTERPRET=1 KERNELS=triton
+  kernels="--kernels triton"  # the engine's choice: on CPU tensors, Triton only when forced
+  export TRITON_INTERPRET=1   # Triton's own: it reads this when the kernels are decorated
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
@@ -28,7 +30,7 @@ fi
 
 status=0
 "$py" bench/gpu_kernel_check.py $dry --table "$out/kernels.md" 2>&1 | tee "$out/gpu_kernel_check.txt" || status=1
-"$py" bench/gpu_engine_check.py $dry --table "$out/engine.md" 2>&1 | grep -v -E "Loading weights|it/s\]" | tee "$out/gpu_engine_check.txt" || status=1
+"$py" bench/gpu_engine_check.py $dry $kernels --table "$out/engine.md" 2>&1 | grep -v -E "Loading weights|it/s\]" | tee "$out/gpu_engine_check.txt" || status=1
 
 echo
 echo "## $(date -u +%F): $("$py" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU, Triton interpreter (dry run)')")"

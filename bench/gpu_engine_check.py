@@ -8,10 +8,10 @@ loads it into both engines, and compares:
     against transformers `generate` on the same batch, batch-1 decode against `generate`,
     and offline throughput (64 mixed requests, as bench/engine_throughput.py) against
     transformers static batching.
-Kernels are whatever `KERNELS` picks (auto: Triton on CUDA); the first line says which.
+Kernels are whatever `--kernels` picks (auto: Triton on CUDA); the first line says which.
 
-    python3 bench/gpu_engine_check.py [--table FILE]
-    TRITON_INTERPRET=1 KERNELS=triton python3 bench/gpu_engine_check.py --dry-run   # CPU smoke run
+    python3 bench/gpu_engine_check.py [--table FILE] [--kernels auto|reference|triton|cpu]
+    TRITON_INTERPRET=1 python3 bench/gpu_engine_check.py --dry-run --kernels triton   # CPU smoke run
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import kernels  # noqa: E402
 from bench.engine_throughput import hf_static, make_requests, ours_batch1, ours_offline  # noqa: E402
 from bench.gpu_kernel_check import parse_args, print_table  # noqa: E402
 from inference.engine.config import EngineConfig  # noqa: E402
-from inference.engine.engine import LLMEngine  # noqa: E402
+from inference.engine.engine import LLMEngine, LoadedModel  # noqa: E402
 from inference.engine.loader import load_model  # noqa: E402
 from inference.engine.api import SamplingParams  # noqa: E402
 
@@ -84,10 +84,10 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def fp32_parity(folder: Path, dev: torch.device, sizes: Sizes) -> str:
+def fp32_parity(folder: Path, dev: torch.device, sizes: Sizes, kernels_choice: str) -> str:
     hf32 = load_hf(folder, torch.float32, dev)
-    model, _ = load_model(str(folder), torch.float32, dev)
-    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="float32"), model=model)
+    model, _ = load_model(str(folder), torch.float32, dev, kernels_choice=kernels_choice)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="float32", kernels=kernels_choice), LoadedModel(model))
     reqs = make_requests(sizes.parity_prompts, seed=3, vocab=49152)
     for i, (prompt, _) in enumerate(reqs):
         engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -125,14 +125,15 @@ def hf_batch1(hf, prompt: list[int], new_tokens: int, dev: torch.device) -> floa
     return new_tokens / (time.perf_counter() - start)
 
 
-def bf16_throughput(folder: Path, dev: torch.device, sizes: Sizes) -> list[tuple[str, float, float, str]]:
+def bf16_throughput(folder: Path, dev: torch.device, sizes: Sizes, kernels_choice: str) -> list[tuple[str, float, float, str]]:
     """(workload, ours tok/s, transformers tok/s, how transformers ran) rows."""
     offline = [(p, min(out, sizes.max_new or out)) for p, out in make_requests(sizes.requests, seed=0, vocab=49152)]
     decode = decode_requests(sizes.decode_batch, 32, sizes.decode_tokens)
     b1_prompt = make_requests(1, seed=1, vocab=49152)[0][0][:32]
 
-    model, _ = load_model(str(folder), torch.bfloat16, dev)
-    engine = LLMEngine(EngineConfig(model=str(folder), device=dev.type, dtype="bfloat16", kv_cache_bytes=4 << 30), model=model)
+    model, _ = load_model(str(folder), torch.bfloat16, dev, kernels_choice=kernels_choice)
+    config = EngineConfig(model=str(folder), device=dev.type, dtype="bfloat16", kv_cache_bytes=4 << 30, kernels=kernels_choice)
+    engine = LLMEngine(config, LoadedModel(model))
     ours_offline(engine, [(p, 4) for p, _ in offline[:8]])  # compiles the kernels' specialisations
     ours = {"decode": ours_offline(engine, decode), "offline": ours_offline(engine, offline)}
     ours["b1"], _ = ours_batch1(engine, b1_prompt, sizes.b1_tokens)
@@ -156,13 +157,13 @@ def table(rows, kernels_used: str) -> str:
 
 
 def main() -> None:
-    args, dev = parse_args(__doc__, "one layer, a few tokens, on CPU")
+    args, dev = parse_args(__doc__, "one layer, a few tokens, on CPU", kernels_option=True)
     sizes = DRY_RUN if args.dry_run else Sizes()
-    kernels_used = kernels.ops_for(dev, torch.bfloat16).paged_attention.__name__.removeprefix("paged_attention_")
-    print(f"KERNELS={kernels.backend_name()}: the model runs paged_attention_{kernels_used} and its kin", flush=True)
+    kernels_used = kernels.ops_for(dev, torch.bfloat16, args.kernels).paged_attention.__name__.removeprefix("paged_attention_")
+    print(f"kernels={args.kernels}: the model runs paged_attention_{kernels_used} and its kin", flush=True)
     folder = build_folder(sizes.layers)
-    print(fp32_parity(folder, dev, sizes), flush=True)
-    print_table(table(bf16_throughput(folder, dev, sizes), kernels_used), args.table)
+    print(fp32_parity(folder, dev, sizes, args.kernels), flush=True)
+    print_table(table(bf16_throughput(folder, dev, sizes, args.kernels), kernels_used), args.table)
 
 
 if __name__ == "__main__":

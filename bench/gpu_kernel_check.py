@@ -230,11 +230,16 @@ def table(results: list[Result], copy_gbs: float) -> str:
     return "\n".join(lines)
 
 
-def parse_args(doc: str, dry_run_help: str) -> tuple[argparse.Namespace, torch.device]:
-    """The options bench/gpu_check.sh passes (--dry-run, --table FILE); the device they mean."""
+def parse_args(doc: str, dry_run_help: str, kernels_option: bool = False) -> tuple[argparse.Namespace, torch.device]:
+    """The options bench/gpu_check.sh passes (--dry-run, --table FILE, and with kernels_option
+    --kernels CHOICE); the device they mean."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help=dry_run_help)
     ap.add_argument("--table", help="also write the table (markdown) to this file")
+    if kernels_option:
+        from kernels import CHOICES
+
+        ap.add_argument("--kernels", default="auto", choices=CHOICES, help="the engine's kernels choice (EngineConfig.kernels)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.dry_run else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -46,8 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference.engine.config import EngineConfig  # noqa: E402
-from inference.engine.engine import LLMEngine  # noqa: E402
 from inference.engine.api import SamplingParams  # noqa: E402
+from inference.engine.engine import LLMEngine, LoadedModel  # noqa: E402
 
 LANE_MIX = (0.2, 0.5, 0.3)
 PROMPT_LEN = {0: (48, 80), 1: (64, 256), 2: (64, 128)}
@@ -86,10 +86,10 @@ def build_engine(args, policy: str) -> LLMEngine:
         **NO_LIMITS,
     )
     if not args.tiny:
-        return LLMEngine(config)
+        return LLMEngine.from_config(config)
     from tests.engine.tiny import tiny_model
 
-    return LLMEngine(config, model=tiny_model())
+    return LLMEngine(config, LoadedModel(tiny_model()))
 
 
 def replay(engine: LLMEngine, trace: list[Arrival]) -> dict:

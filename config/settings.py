@@ -214,6 +214,11 @@ INFERENCE = {
     # request (0: never), at most one step in CROWD_SIT_OUT_EVERY: see EngineConfig.
     "CROWD_SIT_OUT_SEQS": env.int("INFERENCE_CROWD_SIT_OUT_SEQS", default=4),
     "CROWD_SIT_OUT_EVERY": env.int("INFERENCE_CROWD_SIT_OUT_EVERY", default=4),
+    # Which kernels the model runs: auto (Triton on CUDA, the compiled CPU kernels where they
+    # build, else the PyTorch references), or reference, triton or cpu to force one.
+    "KERNELS": env.str("KERNELS", default="auto").strip().lower() or "auto",
+    # Where converted weights and tokenizers are kept ("": ~/.cache/llm-platform).
+    "CACHE_DIR": env.str("LLM_PLATFORM_CACHE", default=""),
 }
 
 # --- serving ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from inference.engine import api
 POLICIES = ("priority", "fcfs", "shortest_first")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "reference", "triton", "cpu")  # kernels.CHOICES, named here so checks import no torch
 MIN_INTERNAL_TOKEN_LENGTH = 32
 
 
@@ -30,6 +31,8 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
         problems.append(Error("INFERENCE_SWAP_BYTES must not be negative.", id="inference.E004"))
     if conf["AGING_S"] <= 0:
         problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
+    if conf["KERNELS"] not in KERNELS:
+        problems.append(Error(f"KERNELS must be one of {', '.join(KERNELS)}.", id="inference.E006"))
     return problems
 
 
@@ -40,7 +43,7 @@ def check_request_bounds(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     stops = settings.MAX_STOP, settings.MAX_STOP * settings.MAX_STOP_CHARS, settings.MAX_STOP_TOKEN_IDS
     ceilings = api.MAX_STOP_SEQUENCES, api.MAX_STOP_TOTAL_CHARS, api.MAX_STOP_TOKEN_IDS
     names = "MAX_STOP", "MAX_STOP x MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS"
-    return [Error(f"{name} is {value}; the engine takes at most {ceiling}.", id="inference.E006")
+    return [Error(f"{name} is {value}; the engine takes at most {ceiling}.", id="inference.E007")
             for name, value, ceiling in zip(names, stops, ceilings) if value > ceiling]
 
 

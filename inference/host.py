@@ -51,6 +51,8 @@ def engine_config() -> EngineConfig:
         tenant_queue_share=conf["TENANT_QUEUE_SHARE"],
         crowd_sit_out_seqs=conf["CROWD_SIT_OUT_SEQS"],
         crowd_sit_out_every=conf["CROWD_SIT_OUT_EVERY"],
+        kernels=conf["KERNELS"],
+        cache_dir=conf["CACHE_DIR"] or None,
     )
 
 
@@ -99,12 +101,18 @@ class EngineHost:
             from inference.engine.metrics import EngineMetrics
 
             config = engine_config()
-            log.info("loading model %s (device %s, dtype %s)", config.model, config.device, config.dtype)
-            engine = LLMEngine(config)
+            log.info("loading model %s (device %s, dtype %s, kernels %s)", config.model, config.device, config.dtype,
+                     config.kernels)
+            engine = LLMEngine.from_config(config)
             async_engine = AsyncEngine(engine, metrics=EngineMetrics())
             async_engine.start()
         except Exception as exc:  # a bad model path, out of memory...: say so on /readyz and to callers
-            log.exception("the engine failed to load")
+            from inference.engine.errors import ConfigError  # plain Python, imports nothing
+
+            if isinstance(exc, ConfigError):  # the settings, not the code: the operator's to fix, no traceback
+                log.error("the engine cannot start with these INFERENCE settings: %s", exc)
+            else:
+                log.exception("the engine failed to load")
             self._error = f"{type(exc).__name__}: {exc}"
             self._state = FAILED
         else:

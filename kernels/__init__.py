@@ -2,9 +2,10 @@
 (CUDA; CPU tensors under TRITON_INTERPRET=1), and some with a compiled CPU kernel.
 
 Every op can be called directly (`kernels.silu_and_mul(x)`, dispatched per call,
-which is what tests use) or resolved once for a device with `ops_for(device)`,
-which is what the model does: choosing per call would cost more than some ops.
-Nothing in this package imports Django or the engine.
+which is what tests use, taking the `auto` choice) or resolved once for a device and
+a backend choice with `ops_for(device, dtype, choice)`, which is what the model does:
+choosing per call would cost more than some ops. Nothing in this package imports
+Django or the engine, or reads the environment to choose (see `kernels.dispatch`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Callable
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_impl
-from kernels.argmax import argmax_rows
-from kernels.dispatch import backend_name
+from kernels.argmax import argmax_rows, argmax_rows_impl
+from kernels.dispatch import CHOICES, check_choice
 from kernels.kv_cache import rotary_write_kv, rotary_write_kv_impl, write_kv, write_kv_impl
 from kernels.linear import ALL_ROWS, SMALL_ROWS, gated_linear_for, small_linear_for
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
@@ -33,31 +34,34 @@ class Ops:
     write_kv: Callable
     rotary_write_kv: Callable
     paged_attention: Callable
+    argmax_rows: Callable
 
 
-def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> Ops:
-    """The implementations `KERNELS` selects for tensors on `device`, chosen now."""
+def ops_for(device: torch.device, dtype: torch.dtype = torch.float32, choice: str = "auto") -> Ops:
+    """The implementations `choice` (one of CHOICES) selects for tensors on `device`, chosen now."""
     probe = torch.empty(0, device=device, dtype=dtype)
     return Ops(
-        rms_norm=rms_norm_impl(probe),
-        add_rms_norm=add_rms_norm_impl(probe),
-        apply_rotary=apply_rotary_impl(probe),
-        silu_and_mul=silu_and_mul_impl(probe),
-        write_kv=write_kv_impl(probe),
-        rotary_write_kv=rotary_write_kv_impl(probe),
-        paged_attention=paged_attention_impl(probe),
+        rms_norm=rms_norm_impl(probe, choice),
+        add_rms_norm=add_rms_norm_impl(probe, choice),
+        apply_rotary=apply_rotary_impl(probe, choice),
+        silu_and_mul=silu_and_mul_impl(probe, choice),
+        write_kv=write_kv_impl(probe, choice),
+        rotary_write_kv=rotary_write_kv_impl(probe, choice),
+        paged_attention=paged_attention_impl(probe, choice),
+        argmax_rows=argmax_rows_impl(probe, choice),
     )
 
 
 __all__ = [
     "ALL_ROWS",
+    "CHOICES",
     "Ops",
     "PagedAttentionMetadata",
     "SMALL_ROWS",
     "add_rms_norm",
     "argmax_rows",
     "apply_rotary",
-    "backend_name",
+    "check_choice",
     "gated_linear_for",
     "ops_for",
     "paged_attention",

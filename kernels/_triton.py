@@ -5,14 +5,15 @@ need it: without it, `triton.jit` keeps the function undecorated, `available()` 
 False and the dispatcher never picks a Triton kernel.
 
 Triton decides when a kernel is decorated, that is when `kernels` is imported, whether
-it runs compiled (CUDA tensors) or interpreted by numpy (CPU tensors, far slower):
-`TRITON_INTERPRET=1` must be set before that import. tests/conftest.py does so.
+it runs compiled (CUDA tensors) or interpreted by numpy (CPU tensors, far slower), from
+its own `TRITON_INTERPRET` variable: that must be set before the import, and
+tests/conftest.py does so. `INTERPRETING` asks Triton what it decided rather than reading
+the variable here.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -30,11 +31,28 @@ except ImportError:  # the CPU install: kernels stay plain functions that nothin
     tl = None
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def available() -> bool:
     return tl is not None
+
+
+def _interpreting() -> bool:
+    """Whether `triton.jit` hands out interpreted kernels in this process. Asked of Triton by
+    decorating a probe, as the kernels modules are about to be: Triton alone reads
+    TRITON_INTERPRET (and parses it its own way), so the answer cannot disagree with it."""
+    if not available():
+        return False
+    from triton.runtime.jit import JITFunction
+
+    @triton.jit
+    def _probe():
+        pass
+
+    return not isinstance(_probe, JITFunction)
+
+
+INTERPRETING = _interpreting()
 
 
 def next_power_of_2(n: int) -> int:
@@ -45,7 +63,7 @@ def check(op: str, *tensors: torch.Tensor) -> None:
     """Raise a clear error for inputs a Triton kernel cannot take: the wrong device or dtype,
     or a last dimension that is not contiguous (every kernel reads rows as vectors)."""
     if not available():
-        raise RuntimeError(f"{op}: Triton is not installed (pip install triton, or KERNELS=reference)")
+        raise RuntimeError(f"{op}: Triton is not installed (pip install triton, or the kernels choice reference)")
     for t in tensors:
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{op}: Triton kernels take float32, bfloat16 or float16 tensors, got {t.dtype}")

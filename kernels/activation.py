@@ -42,8 +42,8 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
     return out
 
 
-def silu_and_mul_impl(probe: torch.Tensor):
-    return pick(silu_and_mul_ref, silu_and_mul_triton, probe, cpu_impl=cpu_ext.op("silu_and_mul"))
+def silu_and_mul_impl(probe: torch.Tensor, choice: str = "auto"):
+    return pick(silu_and_mul_ref, silu_and_mul_triton, probe, cpu_impl=cpu_ext.op("silu_and_mul"), choice=choice)
 
 
 def silu_and_mul(x):

@@ -13,9 +13,9 @@ def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
-def argmax_rows_impl(probe: torch.Tensor):
+def argmax_rows_impl(probe: torch.Tensor, choice: str = "auto"):
     # On GPUs PyTorch's own reduction is the implementation: it is what a Triton kernel would be.
-    return pick(argmax_rows_ref, argmax_rows_ref, probe, cpu_impl=cpu_ext.op("argmax_rows"))
+    return pick(argmax_rows_ref, argmax_rows_ref, probe, cpu_impl=cpu_ext.op("argmax_rows"), choice=choice)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,9 @@ def load():
             try:
                 from torch.utils.cpp_extension import load as build
 
+                # torch's cpp_extension takes the build's parallelism (MAX_JOBS) and the ninja it
+                # runs (from PATH) only from the environment, which its compiler subprocess
+                # inherits: these writes steer that build, they configure nothing of the kernels.
                 os.environ.setdefault("MAX_JOBS", "2")
                 # The `ninja` wheel lives beside this interpreter: take it first whatever PATH says.
                 # A process that found the system's ninja 1.11 and one that found the wheel's 1.13

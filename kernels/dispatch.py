@@ -1,28 +1,28 @@
 """Chooses which implementation of a kernel runs.
 
-`KERNELS=reference` forces the PyTorch references, `KERNELS=triton` forces Triton
-(under `TRITON_INTERPRET=1` that runs on CPU tensors, which is how CI tests the
-kernels), `KERNELS=cpu` forces the compiled CPU kernels. The default `auto` takes
-Triton for CUDA tensors, the compiled CPU kernel where an op has one and it built,
-and the reference elsewhere.
+The caller says which it wants (the engine passes `EngineConfig.kernels`; nothing here
+reads the environment): `reference` forces the PyTorch references, `triton` forces
+Triton (under `TRITON_INTERPRET=1` that runs on CPU tensors, which is how CI tests the
+kernels), `cpu` forces the compiled CPU kernels. The default `auto` takes Triton for
+CUDA tensors, the compiled CPU kernel where an op has one and it built, and the
+reference elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
 from kernels import _triton
 
-_CHOICES = ("auto", "reference", "triton", "cpu")
+CHOICES = ("auto", "reference", "triton", "cpu")
 
 
-def backend_name() -> str:
-    choice = os.environ.get("KERNELS", "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ValueError(f"KERNELS must be one of {', '.join(_CHOICES)}, got {choice!r}")
+def check_choice(choice: str) -> str:
+    """`choice` if it names a backend; ValueError otherwise."""
+    if choice not in CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(CHOICES)}, got {choice!r}")
     return choice
 
 
@@ -31,12 +31,13 @@ def pick(
     triton_impl: Callable | None,
     tensor: torch.Tensor,
     cpu_impl: Callable | None = None,
+    choice: str = "auto",
 ) -> Callable:
-    """Return the implementation to run for an op whose main input is `tensor`.
+    """Return the implementation `choice` (one of CHOICES) runs for an op whose main input is `tensor`.
 
     `cpu_impl`, when given, returns None if the compiled CPU kernels are unavailable.
     """
-    choice = backend_name()
+    check_choice(choice)
     if choice == "reference":
         return reference
     if choice == "triton" or (choice == "auto" and tensor.is_cuda):
@@ -44,14 +45,14 @@ def pick(
         if missing is None:
             return triton_impl
         if choice == "triton":
-            raise NotImplementedError(f"KERNELS=triton but {reference.__name__} {missing}")
+            raise NotImplementedError(f"kernels=triton but {reference.__name__} {missing}")
         return reference
     if cpu_impl is not None and not tensor.is_cuda:
         impl = cpu_impl()
         if impl is not None:
             return impl
     if choice == "cpu" and cpu_impl is not None:
-        raise RuntimeError("KERNELS=cpu but the CPU kernels could not be built (see the log)")
+        raise RuntimeError("kernels=cpu but the CPU kernels could not be built (see the log)")
     return reference
 
 

@@ -63,8 +63,8 @@ def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         )
 
 
-def write_kv_impl(probe: torch.Tensor):
-    return pick(write_kv_ref, write_kv_triton, probe, cpu_impl=cpu_ext.op("write_kv"))
+def write_kv_impl(probe: torch.Tensor, choice: str = "auto"):
+    return pick(write_kv_ref, write_kv_triton, probe, cpu_impl=cpu_ext.op("write_kv"), choice=choice)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -103,8 +103,8 @@ def rotary_write_kv_ref(
 rotary_write_kv_triton = functools.partial(rotary_write_kv_ref, rotary=apply_rotary_triton, write=write_kv_triton)
 
 
-def rotary_write_kv_impl(probe: torch.Tensor):
-    return pick(rotary_write_kv_ref, rotary_write_kv_triton, probe, cpu_impl=cpu_ext.op("rotary_write_kv"))
+def rotary_write_kv_impl(probe: torch.Tensor, choice: str = "auto"):
+    return pick(rotary_write_kv_ref, rotary_write_kv_triton, probe, cpu_impl=cpu_ext.op("rotary_write_kv"), choice=choice)
 
 
 def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:

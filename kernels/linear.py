@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from kernels import cpu_ext
-from kernels.dispatch import backend_name
+from kernels.dispatch import check_choice
 
 # Up to this many rows the compiled fp32 kernel takes the step (bench/linear_small.py
 # measures where it stops paying): 1.2-2x oneDNN's packed GEMM up to 16 rows on a 2-core
@@ -65,43 +65,43 @@ def pack_amx(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
 
 
-def _amx_module(weight: torch.Tensor):
+def _amx_module(weight: torch.Tensor, choice: str):
     """The extension, where linear_amx takes this weight: CPU, bf16, both sizes multiples of
-    32, AMX usable, KERNELS auto or cpu; else None."""
+    32, AMX usable, the kernels choice auto or cpu; else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
         return None
-    if backend_name() not in ("auto", "cpu") or weight.shape[0] % 32 or weight.shape[1] % 32:
+    if check_choice(choice) not in ("auto", "cpu") or weight.shape[0] % 32 or weight.shape[1] % 32:
         return None
     module = cpu_ext.load()
     return module if module is not None and module.linear_amx_available() else None
 
 
-def gated_linear_for(weight: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+def gated_linear_for(weight: torch.Tensor, choice: str = "auto") -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
     """For weight = [gate; up] ([2 * intermediate, in]): (run(x) = silu(x @ gate.T) * (x @ up.T)
     in one pass, the most rows of x it should take), or None where linear_amx does not apply.
     The SwiGLU's activation in the projection's epilogue: no [rows, 2 * intermediate]
     intermediate written and read back, and no separate silu_and_mul call."""
-    module = _amx_module(weight)
+    module = _amx_module(weight, choice)
     if module is None:
         return None
     packed = pack_amx(weight, gated=True)
     return (lambda x: module.linear_amx(x, packed, None, True)), AMX_ROWS
 
 
-def small_linear_for(weight: torch.Tensor) -> tuple[FewRows, int] | None:
+def small_linear_for(weight: torch.Tensor, choice: str = "auto") -> tuple[FewRows, int] | None:
     """The compiled few-rows linear for this weight, as (run(x, bias), the most rows of x it
     should take, ALL_ROWS for every count), or None where none applies: not CPU, neither
     fp32 nor bf16, bf16 on a CPU without AVX-512 (or shapes the kernels do not cover) or
-    with AVX512-BF16 but no AMX (oneDNN's there), KERNELS=reference or triton, the
+    with AVX512-BF16 but no AMX (oneDNN's there), the kernels choice reference or triton, the
     extension did not build."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or not weight.is_contiguous():
         return None
-    if backend_name() not in ("auto", "cpu"):
+    if check_choice(choice) not in ("auto", "cpu"):
         return None
     module = cpu_ext.load()
     if module is None:
         return None
-    if _amx_module(weight) is not None:
+    if _amx_module(weight, choice) is not None:
         packed = pack_amx(weight)
         return (lambda x, bias: module.linear_amx(x, packed, bias)), AMX_ROWS
     if weight.dtype == torch.bfloat16:

@@ -89,8 +89,8 @@ def _cpu_impl():
     return paged_attention_cpu
 
 
-def paged_attention_impl(probe: torch.Tensor):
-    return pick(paged_attention_ref, paged_attention_triton, probe, cpu_impl=_cpu_impl)
+def paged_attention_impl(probe: torch.Tensor, choice: str = "auto"):
+    return pick(paged_attention_ref, paged_attention_triton, probe, cpu_impl=_cpu_impl, choice=choice)
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale):

@@ -106,13 +106,13 @@ def _cpu_fused_add_rms_norm():
     return add_rms_norm_cpu
 
 
-def rms_norm_impl(probe: torch.Tensor):
-    return pick(rms_norm_ref, rms_norm_triton, probe, cpu_impl=_cpu_rms_norm)
+def rms_norm_impl(probe: torch.Tensor, choice: str = "auto"):
+    return pick(rms_norm_ref, rms_norm_triton, probe, cpu_impl=_cpu_rms_norm, choice=choice)
 
 
-def add_rms_norm_impl(probe: torch.Tensor):
+def add_rms_norm_impl(probe: torch.Tensor, choice: str = "auto"):
     """(rms_norm(x + residual), x + residual); compiled kernels update `residual` in place."""
-    return pick(add_rms_norm_ref, add_rms_norm_triton, probe, cpu_impl=_cpu_fused_add_rms_norm)
+    return pick(add_rms_norm_ref, add_rms_norm_triton, probe, cpu_impl=_cpu_fused_add_rms_norm, choice=choice)
 
 
 def rms_norm(x, weight, eps):

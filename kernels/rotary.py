@@ -61,10 +61,10 @@ def apply_rotary_triton(
     return out
 
 
-def apply_rotary_impl(probe: torch.Tensor):
+def apply_rotary_impl(probe: torch.Tensor, choice: str = "auto"):
     """The compiled kernels rotate `x` in place where they can (the CPU one when it is contiguous)
     and return the result."""
-    return pick(apply_rotary_ref, apply_rotary_triton, probe, cpu_impl=cpu_ext.op("rotary"))
+    return pick(apply_rotary_ref, apply_rotary_triton, probe, cpu_impl=cpu_ext.op("rotary"), choice=choice)
 
 
 def apply_rotary(x, cos, sin):

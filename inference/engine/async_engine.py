@@ -529,7 +529,7 @@ class AsyncEngine:
         # Drop the old KV cache before allocating the new one, or a device briefly needs two.
         old.runner = None
         old.block_manager = None
-        self.engine = LLMEngine(old.config, model=old.model, tokenizer=old.tokenizer)
+        self.engine = LLMEngine(old.config, old.loaded)  # the same weights, a fresh ModelRunner and cache
         self._states.clear()
         if self.metrics:
             self.metrics.reset_totals()

@@ -1,4 +1,8 @@
-"""Engine configuration: one frozen value, built once from the caller's settings."""
+"""Engine configuration: one frozen value, built once from the caller's settings.
+
+Everything the engine and its kernels are told comes in here: neither reads the
+environment (the Django settings do, and pass it on). A value the engine cannot be
+built with raises ConfigError, a startup failure, never an InvalidRequestError."""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.engine.errors import InvalidRequestError
+from inference.engine.errors import ConfigError
+from kernels.dispatch import CHOICES as KERNELS_CHOICES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +48,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError("device 'cuda' asked for but no CUDA device is available", param="device")
+        raise ConfigError("device 'cuda' asked for but no CUDA device is available", setting="device")
     return torch.device(name)
 
 
@@ -55,7 +60,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         dtype = _DTYPES[name]
     except KeyError:
-        raise InvalidRequestError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {name!r}", param="dtype") from None
+        raise ConfigError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {name!r}", setting="dtype") from None
     if dtype == torch.bfloat16 and device.type == "cpu" and "avx512f" not in cpu_flags():
         # The CPU kernels' bf16 paths need AVX-512 (with or without AVX512-BF16); below it
         # everything falls back to PyTorch's own bf16, which crawls. Said once per process.
@@ -104,33 +109,41 @@ class EngineConfig:
     crowd_sit_out_seqs: int = 4
     crowd_sit_out_every: int = 4
     seed: int = 0
+    # Which kernel implementations the model runs (KERNELS_CHOICES): "auto" (Triton on CUDA,
+    # the compiled CPU kernels where they built, else the PyTorch references), "reference",
+    # "triton" or "cpu" to force one.
+    kernels: str = "auto"
+    # Where converted weights and tokenizers are kept (None: ~/.cache/llm-platform).
+    cache_dir: str | None = None
 
     def __post_init__(self):
+        if self.kernels not in KERNELS_CHOICES:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS_CHOICES)}, got {self.kernels!r}", setting="kernels")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise InvalidRequestError("block_size must be a positive power of two", param="block_size")
+            raise ConfigError("block_size must be a positive power of two", setting="block_size")
         if self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_seqs must be at least 1", param="max_num_seqs")
+            raise ConfigError("max_num_seqs must be at least 1", setting="max_num_seqs")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise InvalidRequestError(
+            raise ConfigError(
                 "max_num_batched_tokens must be at least max_num_seqs, or running sequences cannot all decode",
-                param="max_num_batched_tokens",
+                setting="max_num_batched_tokens",
             )
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidRequestError("num_blocks must be at least 1", param="num_blocks")
+            raise ConfigError("num_blocks must be at least 1", setting="num_blocks")
         if self.kv_cache_bytes <= 0:
-            raise InvalidRequestError("kv_cache_bytes must be positive", param="kv_cache_bytes")
+            raise ConfigError("kv_cache_bytes must be positive", setting="kv_cache_bytes")
         if self.policy not in ("priority", "fcfs", "shortest_first"):
-            raise InvalidRequestError(f"unknown scheduling policy {self.policy!r}", param="policy")
+            raise ConfigError(f"unknown scheduling policy {self.policy!r}", setting="policy")
         if self.aging_threshold_s <= 0:
-            raise InvalidRequestError("aging_threshold_s must be positive", param="aging_threshold_s")
+            raise ConfigError("aging_threshold_s must be positive", setting="aging_threshold_s")
         if self.batch_prefill_tokens < 0:
-            raise InvalidRequestError("batch_prefill_tokens must not be negative", param="batch_prefill_tokens")
+            raise ConfigError("batch_prefill_tokens must not be negative", setting="batch_prefill_tokens")
         if self.swap_space_bytes < 0 or self.max_swaps_per_step < 0:
-            raise InvalidRequestError("swap_space_bytes and max_swaps_per_step must not be negative", param="swap_space_bytes")
+            raise ConfigError("swap_space_bytes and max_swaps_per_step must not be negative", setting="swap_space_bytes")
         if self.crowd_sit_out_seqs < 0 or self.crowd_sit_out_every < 1:
-            raise InvalidRequestError("crowd_sit_out_seqs must not be negative, crowd_sit_out_every at least 1",
-                                      param="crowd_sit_out_seqs")
+            raise ConfigError("crowd_sit_out_seqs must not be negative, crowd_sit_out_every at least 1",
+                              setting="crowd_sit_out_seqs")
         if not 0 < self.tenant_queue_share <= 1:
-            raise InvalidRequestError("tenant_queue_share must be in (0, 1]", param="tenant_queue_share")
+            raise ConfigError("tenant_queue_share must be in (0, 1]", setting="tenant_queue_share")
         if len(self.lane_max_waiting) != 3 or len(self.lane_queue_timeout_s) != 3:
-            raise InvalidRequestError("lane limits take one value per lane (P0, P1, P2)", param="lane_max_waiting")
+            raise ConfigError("lane limits take one value per lane (P0, P1, P2)", setting="lane_max_waiting")

@@ -11,18 +11,18 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
+from inference.engine.api import EngineStats, Lane, LaneStats, RequestOutput, SamplingParams
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig, resolve_device, resolve_dtype
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
 from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
-from inference.engine.scheduler import Scheduler
-from inference.engine.api import EngineStats, Lane, LaneStats, RequestOutput, SamplingParams
+from inference.engine.scheduler import Scheduler, SchedulerOutput
 from inference.engine.sequence import Sequence
 from inference.engine.stops import StopMatcher
 from inference.engine.tokenizer import Tokenizer
@@ -52,23 +52,42 @@ class Completion:
     logprobs: tuple = field(default=(), repr=False)
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """What loading gives an engine: the weights on their device, the tokenizer (None: the
+    engine takes token ids only) and the model's name (empty: the configured model)."""
+
+    model: LlamaModel
+    tokenizer: Tokenizer | None = None
+    name: str = ""
+
+
+class Runner(Protocol):
+    """What the engine steps: computes a schedule and samples (ModelRunner; tests fake it)."""
+
+    def run(self, schedule: SchedulerOutput) -> list[SampledToken]: ...
+
+
+# Builds the runner once the engine has sized the KV cache; called with ModelRunner's arguments.
+RunnerFactory = Callable[..., Runner]
+
+
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaModel | None = None,
-        tokenizer: Tokenizer | None = None,
+        loaded: LoadedModel,
+        make_runner: RunnerFactory = ModelRunner,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """An engine around weights already loaded (`from_config` loads them); reads nothing
+        from disk. `make_runner(model, num_blocks=, block_size=, seed=, num_swap_blocks=)`
+        builds the runner for the KV cache this engine sizes (default: a real ModelRunner)."""
         self.config = config
         self.clock = clock
-        if model is None:
-            device = resolve_device(config.device)
-            model, source = load_model(config.model, resolve_dtype(config.dtype, device), device)
-            tokenizer = tokenizer or Tokenizer.load(source)
-            self.model_name = source.name
-        else:
-            self.model_name = config.model
+        self.loaded = loaded
+        model, tokenizer = loaded.model, loaded.tokenizer
+        self.model_name = loaded.name or config.model
         self.model = model
         self.tokenizer = tokenizer
         mc = model.config
@@ -80,11 +99,22 @@ class LLMEngine:
         num_swap_blocks = config.swap_space_bytes // block_bytes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(config, self.block_manager, clock=clock)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, seed=config.seed, num_swap_blocks=num_swap_blocks)
+        self.runner = make_runner(model, num_blocks=num_blocks, block_size=config.block_size, seed=config.seed,
+                                  num_swap_blocks=num_swap_blocks)
         self.tokens_per_s = 0.0  # recent throughput (decaying peak), reported in stats
         self.step_s = 0.0  # recent duration of a step that computed tokens (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """The real engine: the configured model's weights loaded (through the cache in
+        config.cache_dir) on the configured device and dtype, running config.kernels, with its
+        tokenizer, a KV cache sized by the config and a ModelRunner over it. Raises ConfigError
+        for a device or dtype this machine cannot use, or a model architecture it cannot run."""
+        device = resolve_device(config.device)
+        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.kernels)
+        return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name))
 
     # -- requests -------------------------------------------------------------------------
 

@@ -11,11 +11,6 @@ class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
 
 
-class ConfigError(EngineError, ValueError):
-    """The engine cannot be built as configured (unknown device, kernels, dtype...): an
-    operator's mistake, reported at start-up, never a tenant's 400."""
-
-
 class InvalidRequestError(EngineError, ValueError):
     """The request can never be served as given (bad parameter, prompt too long...)."""
 
@@ -24,6 +19,18 @@ class InvalidRequestError(EngineError, ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class ConfigError(EngineError, ValueError):
+    """The engine cannot be built as configured (an unknown kernels choice, a device this
+    machine lacks, a model it cannot read...). A startup failure for the operator, never a
+    tenant's bad request: it is not an InvalidRequestError, which the API answers with 400.
+    A ValueError too, as the plain bad values it replaces were."""
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.setting = setting
 
 
 class DuplicateRequestError(InvalidRequestError):

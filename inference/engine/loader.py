@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inference.engine.errors import ConfigError
 from inference.engine.models.llama import LlamaModel, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,13 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def cache_root() -> Path:
-    """Where converted models and tokenizers are kept: $LLM_PLATFORM_CACHE or ~/.cache/llm-platform."""
-    base = os.environ.get("LLM_PLATFORM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llm-platform")
-    return Path(base)
+DEFAULT_CACHE_DIR = "~/.cache/llm-platform"
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted models and tokenizers are kept: `cache_dir` (EngineConfig.cache_dir,
+    which the settings take from $LLM_PLATFORM_CACHE), else ~/.cache/llm-platform."""
+    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
 
 
 def file_key(path: Path, version: str = "") -> str:
@@ -106,7 +110,7 @@ def file_key(path: Path, version: str = "") -> str:
 _GGUF_CACHE_VERSION = "1"
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(path: Path, cache_dir: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The GGUF file's config and dequantized fp32 tensors, from the cache when converted before.
 
     Parsing the metadata (a 49k-token vocabulary) and dequantizing took ~9 s on a 2-core
@@ -115,7 +119,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """
     from safetensors.torch import load_file, save_file
 
-    cached = cache_root() / "weights" / f"{file_key(path, _GGUF_CACHE_VERSION)}.safetensors"
+    cached = cache_root(cache_dir) / "weights" / f"{file_key(path, _GGUF_CACHE_VERSION)}.safetensors"
     if cached.is_file():
         try:
             from safetensors import safe_open
@@ -153,7 +157,7 @@ def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)} are)")
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)} are)", setting="model")
     heads = int(field(f"{arch}.attention.head_count"))
     kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
     hidden = int(field(f"{arch}.embedding_length"))
@@ -203,7 +207,7 @@ def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type", "llama")
     if model_type not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2, mistral are)")
+        raise ConfigError(f"model_type {model_type!r} is not supported (llama, qwen2, mistral are)", setting="model")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -213,7 +217,14 @@ def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return ModelConfig.from_hf(cfg, name=path.name), tensors
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, ModelSource]:
+def load_model(
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: str | os.PathLike | None = None,
+    kernels_choice: str = "auto",
+) -> tuple[LlamaModel, ModelSource]:
+    """The configured model's weights on `device`, running the kernels `kernels_choice` picks."""
     source = resolve_source(model)
-    config, tensors = read_gguf(source.path) if source.kind == "gguf" else read_hf_folder(source.path)
-    return LlamaModel(config, tensors, dtype, device), source
+    config, tensors = read_gguf(source.path, cache_dir) if source.kind == "gguf" else read_hf_folder(source.path)
+    return LlamaModel(config, tensors, dtype, device, kernels_choice), source

@@ -87,7 +87,7 @@ class ModelRunner:
         if not seqs:
             return []
         with torch.inference_mode():  # the logits are inference tensors; penalties edit them in place
-            tokens, logprobs = sample(logits, seqs, self.generator)
+            tokens, logprobs = sample(logits, seqs, self.generator, self.model.ops.argmax_rows)
         return [SampledToken(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs)]
 
     def compute_logits(self, schedule: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:

@@ -63,22 +63,26 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator, argmax_rows=kernels.argmax_rows
+) -> tuple[list[int], list[TokenLogprob | None]]:
     # logits: [num_seqs, vocab] in the model's dtype, one row per sequence in `seqs`.
+    # argmax_rows: the model's (`model.ops`, chosen by its kernels setting); by default
+    # kernels' own, dispatched per call.
     if all(s.params.greedy and s.params.logprobs is None and not s.params.needs_penalties for s in seqs):
         # The common plain greedy batch: the argmax straight off the model's logits. Widening
         # bf16 to fp32 is exact, so the answer is the same; the copy cost more than the argmax.
-        return kernels.argmax_rows(logits).tolist(), [None] * len(seqs)
+        return argmax_rows(logits).tolist(), [None] * len(seqs)
     logits = logits.float()  # penalties, logprobs and the filters work in fp32
     apply_penalties(logits, seqs)
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
 
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if len(greedy) == len(seqs):  # an all-greedy batch: no row gather
-        tokens = kernels.argmax_rows(logits)
+        tokens = argmax_rows(logits)
     elif greedy:
         idx = torch.tensor(greedy, device=logits.device)
-        tokens[idx] = kernels.argmax_rows(logits[idx])
+        tokens[idx] = argmax_rows(logits[idx])
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = [seqs[i] for i in sampled]

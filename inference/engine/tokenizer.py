@@ -7,6 +7,7 @@ converted tokenizer is kept in a cache folder keyed by the file's identity.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,16 +15,12 @@ from pathlib import Path
 from inference.engine.loader import ModelSource, cache_root, file_key
 
 
-def _cache_root() -> Path:
-    return cache_root() / "tokenizers"
-
-
-def _load_hf_tokenizer(source: ModelSource):
+def _load_hf_tokenizer(source: ModelSource, cache_dir: str | os.PathLike | None = None):
     from transformers import AutoTokenizer
 
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(str(source.path))
-    cached = _cache_root() / file_key(source.path)
+    cached = cache_root(cache_dir) / "tokenizers" / file_key(source.path)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
@@ -46,8 +43,9 @@ class Tokenizer:
         self.chat_template = hf_tokenizer.chat_template
 
     @classmethod
-    def load(cls, source: ModelSource) -> Tokenizer:
-        return cls(_load_hf_tokenizer(source))
+    def load(cls, source: ModelSource, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+        """`cache_dir`: where a GGUF's converted tokenizer is kept (loader.cache_root)."""
+        return cls(_load_hf_tokenizer(source, cache_dir))
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)

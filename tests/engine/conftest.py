@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.loader import load_model, resolve_source
 from inference.engine.tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ def make_engine(smollm):
     model, tokenizer = smollm
 
     def make(**overrides) -> LLMEngine:
-        return LLMEngine(EngineConfig(dtype="float32", **overrides), model=model, tokenizer=tokenizer)
+        return LLMEngine(EngineConfig(dtype="float32", **overrides), LoadedModel(model, tokenizer))
 
     return make
 

@@ -18,6 +18,7 @@ import pytest
 from inference.engine.async_engine import AsyncEngine, EngineNotRunningError
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError
 from inference.engine.api import Lane, LaneStats, SamplingParams
+from inference.engine.model_runner import ModelRunner
 from tests.engine import tiny
 from tests.engine.tiny import GREEDY, VOCAB, make_seq, one_thread
 
@@ -113,6 +114,11 @@ class FaultyRunner:
                 self.before_raise()
             raise RuntimeError("injected fault while running a batch")
         return self.inner.run(schedule)
+
+
+def faulty(fail_on, before_raise=None):
+    """A make_runner: the real ModelRunner the engine sizes, wrapped in a FaultyRunner."""
+    return lambda model, **kv_cache: FaultyRunner(ModelRunner(model, **kv_cache), fail_on, before_raise)
 
 
 # -- streams --------------------------------------------------------------------------------
@@ -360,8 +366,7 @@ def test_a_failed_step_fails_the_requests_in_it_and_the_engine_serves_on(serve):
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10]]
     expected = baseline(prompts, GREEDY)
     # One running sequence at a time: "b" waits outside the step that fails.
-    engine = tiny_engine(max_num_seqs=1, max_num_batched_tokens=16)
-    engine.runner = FaultyRunner(engine.runner, fail_on=lambda n: n == 3)
+    engine = tiny_engine(max_num_seqs=1, max_num_batched_tokens=16, make_runner=faulty(fail_on=lambda n: n == 3))
     ae = serve(engine)
 
     async def main():
@@ -381,8 +386,7 @@ def test_a_failed_step_fails_the_requests_in_it_and_the_engine_serves_on(serve):
 
 
 def test_an_engine_that_keeps_failing_is_rebuilt(serve):
-    engine = tiny_engine()
-    engine.runner = FaultyRunner(engine.runner, fail_on=lambda n: True)
+    engine = tiny_engine(make_runner=faulty(fail_on=lambda n: True))
     ae = serve(engine)
     (expected,) = baseline([[3, 3]], GREEDY)
 
@@ -400,10 +404,9 @@ def test_an_engine_that_keeps_failing_is_rebuilt(serve):
 
 
 def test_a_failure_that_leaks_blocks_rebuilds_the_engine(serve):
-    engine = tiny_engine()
     phantom = make_seq("phantom", [1, 2, 3, 4])
     # The fault leaves blocks held by no running sequence: the pool can no longer be trusted.
-    engine.runner = FaultyRunner(engine.runner, fail_on=lambda n: n == 2, before_raise=lambda: engine.block_manager.allocate(phantom, 8))
+    engine = tiny_engine(make_runner=faulty(fail_on=lambda n: n == 2, before_raise=lambda: engine.block_manager.allocate(phantom, 8)))
     ae = serve(engine)
     (expected,) = baseline([[5, 5, 5]], GREEDY)
 

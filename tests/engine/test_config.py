@@ -1,4 +1,6 @@
-"""How the engine's dtype follows the CPU it runs on."""
+"""How the engine's dtype follows the CPU it runs on, and that a configuration the engine
+cannot be built with is a ConfigError (a startup failure), never an InvalidRequestError
+(the API's 400)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import pytest
 import torch
 
 from inference.engine import config
-from inference.engine.config import resolve_dtype
-from inference.engine.errors import InvalidRequestError
+from inference.engine.config import EngineConfig, resolve_device, resolve_dtype
+from inference.engine.engine import LLMEngine
+from inference.engine.errors import ConfigError, InvalidRequestError
 
 CPU = torch.device("cpu")
 AVX2 = frozenset({"avx", "avx2", "fma"})
@@ -36,7 +39,7 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(cpu, flags, auto)
     cpu(flags)
     assert resolve_dtype("auto", CPU) == auto
     assert resolve_dtype("float32", CPU) == torch.float32 and resolve_dtype("bfloat16", CPU) == torch.bfloat16
-    with pytest.raises(InvalidRequestError, match="dtype must be auto or one of"):
+    with pytest.raises(ConfigError, match="dtype must be auto or one of"):
         resolve_dtype("int8", CPU)
 
 
@@ -64,3 +67,36 @@ def test_cpu_flags_are_this_machines():
         line = next(line for line in f if line.startswith("flags"))
     assert config.cpu_flags() == frozenset(line.split())
     assert config.cpu_has_native_bf16() == bool({"avx512_bf16", "amx_bf16"} & set(line.split()))
+
+
+def _config_error(build) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert not isinstance(info.value, InvalidRequestError)
+    return info.value
+
+
+def test_an_unknown_kernels_choice_is_a_config_error_not_a_bad_request():
+    error = _config_error(lambda: EngineConfig(kernels="cuda-magic"))
+    assert error.setting == "kernels" and "auto, reference, triton, cpu" in error.message
+    for choice in ("auto", "reference", "triton", "cpu"):
+        assert EngineConfig(kernels=choice).kernels == choice
+
+
+@pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_seqs=0), dict(policy="random"), dict(tenant_queue_share=0)],
+                         ids=["block_size", "max_num_seqs", "policy", "tenant_queue_share"])
+def test_every_invalid_engine_setting_is_a_config_error(bad):
+    assert _config_error(lambda: EngineConfig(**bad)).setting == next(iter(bad))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_fails_the_engine_build_with_a_config_error():
+    _config_error(lambda: resolve_device("cuda"))
+    # from_config resolves the device before it reads a byte of weights.
+    error = _config_error(lambda: LLMEngine.from_config(EngineConfig(device="cuda", model="/nonexistent")))
+    assert error.setting == "device"
+
+
+def test_a_dtype_the_engine_cannot_run_fails_the_engine_build_with_a_config_error():
+    error = _config_error(lambda: LLMEngine.from_config(EngineConfig(device="cpu", dtype="int8", model="/nonexistent")))
+    assert error.setting == "dtype"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError
 from inference.engine.api import SamplingParams
 from tests.engine.tiny import (
@@ -347,7 +347,7 @@ def test_eos_ends_a_request_unless_ignore_eos():
     eos = tokens[3]
     k = tokens.index(eos)
     model = tiny_model(0, dataclasses.replace(TINY, eos_token_ids=(eos,)))
-    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8), model=model)
+    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8), LoadedModel(model))
     engine.add_request("eos", prompt, SamplingParams(temperature=0, max_tokens=12))
     engine.add_request("ignore", prompt, greedy(12))
     outputs = run_to_completion(engine)
@@ -441,7 +441,7 @@ def _text_model():
 
 def _text_engine() -> LLMEngine:
     model, tok = _text_model()
-    return LLMEngine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8), model=model, tokenizer=tok)
+    return LLMEngine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8), LoadedModel(model, tok))
 
 
 def _stream_text(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams):
@@ -474,10 +474,10 @@ _WHERE_A_STEP_SIZED_BLOCK_LIVES = """
 import ctypes, sys
 if sys.argv[1] == "engine":
     from inference.engine.config import EngineConfig
-    from inference.engine.engine import LLMEngine
+    from inference.engine.engine import LLMEngine, LoadedModel
     from inference.engine.model_runner import keep_freed_memory
     from tests.engine.tiny import tiny_model
-    LLMEngine(EngineConfig(num_blocks=16), model=tiny_model())
+    LLMEngine(EngineConfig(num_blocks=16), LoadedModel(tiny_model()))
     assert keep_freed_memory()  # glibc on Linux, where the suite runs
 libc = ctypes.CDLL("libc.so.6")
 libc.sbrk.restype = libc.malloc.restype = ctypes.c_void_p

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
+from inference.engine.errors import ConfigError
 from inference.engine import loader
 from inference.engine.loader import load_model
 from inference.engine.api import SamplingParams
@@ -77,7 +78,7 @@ CUTS = (1, 5, 17, 40)
 
 
 def our_logits(model) -> torch.Tensor:
-    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=8), model=model)
+    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=8), LoadedModel(model))
     for cut in CUTS:
         engine.add_request(f"cut-{cut}", PROMPT[:cut], SamplingParams(temperature=0, max_tokens=1))
     seqs, logits = engine.runner.compute_logits(engine.scheduler.schedule())
@@ -146,7 +147,7 @@ def test_unsupported_model_type_is_a_clear_error(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
 
 
@@ -206,10 +207,10 @@ def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def test_a_gguf_file_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
     path = tmp_path / "tiny.gguf"
     arrays = write_tiny_gguf(path)
-    config, tensors = loader.read_gguf(path)
+    config, tensors = loader.read_gguf(path, cache)
     assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(arrays["blk.0.ffn_down.weight"]))
     (cached,) = (tmp_path / "cache" / "weights").iterdir()
 
@@ -217,24 +218,23 @@ def test_a_gguf_file_is_converted_once_then_read_from_the_cache(tmp_path, monkey
         raise AssertionError("converted again although a converted copy was cached")
 
     monkeypatch.setattr(loader, "convert_gguf", no_conversion)
-    again_config, again = loader.read_gguf(path)
+    again_config, again = loader.read_gguf(path, cache)
     assert again_config == config and config.eos_token_ids == (2,) and config.num_kv_heads == 2
     assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
 
     # A damaged copy is converted again and replaced; a file with other contents gets a copy
     # of its own, and the same contents elsewhere share the first.
     monkeypatch.undo()
-    monkeypatch.setenv("LLM_PLATFORM_CACHE", str(tmp_path / "cache"))
     cached.write_bytes(cached.read_bytes()[:100])
-    _, repaired = loader.read_gguf(path)
+    _, repaired = loader.read_gguf(path, cache)
     assert all(torch.equal(repaired[k], tensors[k]) for k in tensors)
     assert cached.stat().st_size > 100
     elsewhere = tmp_path / "elsewhere.gguf"
     elsewhere.write_bytes(path.read_bytes())
     os.utime(elsewhere, ns=(1, 1))
-    loader.read_gguf(elsewhere)
+    loader.read_gguf(elsewhere, cache)
     assert list((tmp_path / "cache" / "weights").iterdir()) == [cached]
     other = write_tiny_gguf(path, seed=1)
-    _, changed = loader.read_gguf(path)
+    _, changed = loader.read_gguf(path, cache)
     assert torch.equal(changed["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(other["blk.0.ffn_down.weight"]))
     assert len(list((tmp_path / "cache" / "weights").iterdir())) == 2

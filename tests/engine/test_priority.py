@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from inference.engine.errors import QueueFullError
 from inference.engine.api import LaneStats, SamplingParams
 from inference.engine.sequence import SequenceStatus
-from tests.engine.tiny import expected_output, greedy_params as params, TINY, VOCAB, ManualClock, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
+from tests.engine.tiny import expected_output, greedy_params as params, TINY, VOCAB, ManualClock, SumRunner, fake_runner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
 
@@ -34,9 +34,8 @@ def swap_bytes(num_blocks: int, block_size: int = 4) -> int:
 
 
 def fake_engine(clock: ManualClock | None = None, swap_blocks: int = 16, **kw):
-    engine = tiny_engine(clock=clock or ManualClock(), swap_space_bytes=swap_bytes(swap_blocks, kw.get("block_size", 4)), **kw)
-    engine.runner = SumRunner()
-    return engine
+    return tiny_engine(clock=clock or ManualClock(), swap_space_bytes=swap_bytes(swap_blocks, kw.get("block_size", 4)),
+                       make_runner=fake_runner(SumRunner()), **kw)
 
 
 def first_scheduled(engine) -> dict[str, int]:

@@ -12,15 +12,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from inference.engine.sequence import SequenceStatus
-from tests.engine.tiny import expected_output, greedy_params as params, VOCAB, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
+from tests.engine.tiny import expected_output, fake_runner, greedy_params as params, VOCAB, SumRunner, live_seqs, one_thread, run_to_completion, tiny_engine, tokens_of
 
 assert one_thread  # an autouse fixture: importing it is what applies it here
 
 
 def fake_engine(**kw):
-    engine = tiny_engine(**kw)
-    engine.runner = SumRunner()
-    return engine
+    return tiny_engine(make_runner=fake_runner(SumRunner()), **kw)
 
 
 def test_chunked_prefill_takes_four_steps_before_the_first_token():

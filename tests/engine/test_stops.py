@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
 from inference.engine.api import SamplingParams
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.stops import StopMatcher
 from tests.engine.tiny import TINY, one_thread, run_to_completion, smol_tokenizer, tiny_model  # noqa: F401
 
@@ -82,7 +82,7 @@ def _text_engine_parts():
 def _text_engine() -> LLMEngine:
     model, tok = _text_engine_parts()
     config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
-    return LLMEngine(config, model=model, tokenizer=tok)
+    return LLMEngine(config, LoadedModel(model, tok))
 
 
 class CountingStr(str):

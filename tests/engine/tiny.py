@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel, RunnerFactory
 from inference.engine.loader import resolve_source
-from inference.engine.model_runner import SampledToken
+from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel, ModelConfig, random_tensors
 from inference.engine.scheduler import SchedulerOutput
 from inference.engine.api import SamplingParams
@@ -82,10 +82,12 @@ def tiny_engine(
     max_num_seqs: int = 8,
     clock: ManualClock | None = None,
     swap_space_bytes: int = 64 * 1024,
+    make_runner: RunnerFactory = ModelRunner,
     **overrides,
 ) -> LLMEngine:
     """A tiny-model engine on a manual clock (arrival times in tests are on that clock),
-    with a swap pool sized for tiny models rather than the 1 GiB default."""
+    with a swap pool sized for tiny models rather than the 1 GiB default. `make_runner`:
+    the runner seam (`fake_runner(SumRunner())`, or a wrapper around the real ModelRunner)."""
     config = EngineConfig(
         swap_space_bytes=swap_space_bytes,
         num_blocks=num_blocks,
@@ -94,7 +96,12 @@ def tiny_engine(
         max_num_seqs=max_num_seqs,
         **overrides,
     )
-    return LLMEngine(config, model=tiny_model(), clock=clock or ManualClock())
+    return LLMEngine(config, LoadedModel(tiny_model()), make_runner=make_runner, clock=clock or ManualClock())
+
+
+def fake_runner(runner) -> RunnerFactory:
+    """A make_runner that hands the engine `runner` (which needs no KV cache) as it is."""
+    return lambda model, **kv_cache: runner
 
 
 def make_seq(request_id: str, token_ids: list[int], salt: str | None = None, max_tokens: int = 16,

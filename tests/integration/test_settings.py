@@ -1,4 +1,5 @@
 """Settings: engine settings are validated at start, and no model is loaded at import time."""
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,12 @@ def _run(code: str) -> str:
 
 
 def test_the_url_map_and_the_celery_app_load_neither_the_engine_nor_torch():
-    # What `manage.py migrate`, `check` and the Celery worker import: no model, no torch.
+    # What `manage.py migrate`, `check` and the Celery worker import: no model, no torch. The
+    # engine's torch-free interface (inference.engine.api: limits, SamplingParams) is theirs to use.
     loaded = _run(
         "import config.urls, config.celery;"
-        "print([m for m in ('torch', 'inference.engine') if m in sys.modules])"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('inference.engine.')"
+        " and m not in ('inference.engine.api', 'inference.engine.errors')))"
     )
     assert loaded == "[]"
 
@@ -36,3 +39,32 @@ def test_a_bad_engine_setting_fails_the_system_checks(settings, key, value):
     settings.INFERENCE = {**settings.INFERENCE, key: value}
     with pytest.raises(SystemCheckError, match=f"INFERENCE_{key}"):
         call_command("check")
+
+
+def test_a_bad_kernels_setting_fails_the_system_checks(settings):
+    settings.INFERENCE = {**settings.INFERENCE, "KERNELS": "cuda-magic"}
+    with pytest.raises(SystemCheckError, match="KERNELS must be one of"):
+        call_command("check")
+
+
+@pytest.mark.parametrize("key, value, says", [("KERNELS", "cuda-magic", "kernels must be one of"),
+                                              ("DTYPE", "int8", "dtype must be auto or one of")])
+def test_a_config_error_fails_the_engine_start_for_the_operator_and_is_a_503_to_tenants(settings, caplog, key, value,
+                                                                                          says):
+    # Past the system checks (a setting changed under a running process, or one they do not
+    # cover): the engine build raises ConfigError, which leaves the host failed with the
+    # message for /readyz and the operator's stats, and a tenant's request sees 503, never 400.
+    from inference.generation import engine_error
+    from inference.host import FAILED, EngineHost, EngineUnavailable
+    from inference.readiness import engine_state
+
+    settings.INFERENCE = {**settings.INFERENCE, key: value, "DEVICE": "cpu"}
+    host = EngineHost()
+    with caplog.at_level("ERROR", logger="inference.host"):
+        with pytest.raises(EngineUnavailable) as caught:
+            asyncio.run(host.wait_engine(timeout=120))
+    assert caught.value.state == host.state == FAILED
+    assert host.error.startswith("ConfigError: ") and says in host.error
+    assert engine_state(host).detail == host.error
+    assert any("cannot start with these INFERENCE settings" in r.getMessage() and not r.exc_info for r in caplog.records)
+    assert engine_error(caught.value).status == 503

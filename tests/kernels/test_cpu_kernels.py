@@ -1,7 +1,7 @@
 """The compiled CPU kernels (kernels/csrc/cpu_kernels.cpp) against their PyTorch references.
 
 Each op is checked twice: through the dispatcher the model uses
-(`kernels.ops_for(cpu, dtype)` under `KERNELS=cpu`, which raises if the extension
+(`kernels.ops_for(cpu, dtype, "cpu")`, which raises if the extension
 did not build, so a broken build fails these tests instead of skipping them) and
 straight from `cpu_ext.load()`. Shapes are awkward on purpose (context lengths
 around block edges, 9/3 heads, head_dim 24, 1823-wide rows). Every cache slot no
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kernels
 from inference.engine.config import EngineConfig
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.models.llama import GateUp, Linear, LlamaModel, ModelConfig, random_tensors
 from inference.engine.api import SamplingParams
 from kernels import PagedAttentionMetadata, cpu_ext
@@ -93,10 +93,9 @@ def ext():
 
 
 @pytest.fixture
-def cpu_ops(monkeypatch):
-    """`ops_for(cpu, dtype)` under KERNELS=cpu: raises instead of falling back if the build failed."""
-    monkeypatch.setenv("KERNELS", "cpu")
-    return lambda dtype: kernels.ops_for(CPU, dtype)
+def cpu_ops():
+    """`ops_for(cpu, dtype)` with the choice cpu: raises instead of falling back if the build failed."""
+    return lambda dtype: kernels.ops_for(CPU, dtype, "cpu")
 
 
 def test_kernels_cpu_resolves_the_compiled_ops(cpu_ops, ext):
@@ -452,9 +451,8 @@ def test_linear_amx_rejects_what_it_cannot_take(ext):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch, ext, dtype):
+def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(ext, dtype):
     w = torch.randn(64, 32, generator=gen(1)).to(dtype)
-    monkeypatch.setenv("KERNELS", "auto")
     layer = Linear(w)
     amx = dtype == torch.bfloat16 and ext.linear_amx_available()
     # bf16 that the CPU only emulates: the compiled kernel takes every row count. bf16 with
@@ -481,21 +479,18 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(monkeypatch,
     else:  # oneDNN has no bf16 layout without AVX-512 (or AVX-NE-CONVERT): F.linear reads the weights
         assert layer.packed is None and layer.weight is w
     assert Linear(w, keep_weight=True).weight is w
-    monkeypatch.setenv("KERNELS", "reference")
-    assert Linear(w).small is None and Linear(w).small_rows == 0
-    monkeypatch.setenv("KERNELS", "auto")
+    assert Linear(w, kernels_choice="reference").small is None and Linear(w, kernels_choice="reference").small_rows == 0
     assert Linear(w.t()).small is None and Linear(w.to(torch.float16)).small is None
     # Widths neither bf16 kernel covers (AMX tiles and the 32-wide dot both need multiples of 32).
     assert Linear(torch.randn(64, 24).to(torch.bfloat16)).small is None
 
 
-def test_a_bf16_row_comes_out_the_same_whatever_the_step_size(monkeypatch):
+def test_a_bf16_row_comes_out_the_same_whatever_the_step_size():
     """The model's bf16 linears give a row the same bits at any decode-step size (1-64 rows)
     and thread count, on whichever path this CPU takes: a seeded request's text must not
     change with what else shares its steps. With the few-rows kernel at one row and oneDNN
     from two on (different summation orders), a lone sequence's logits came out a few ulps
     off, and a seeded `n=2` chat completion sampled another word about one run in three."""
-    monkeypatch.setenv("KERNELS", "auto")
     g = gen(5)
     for out_features, in_features in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
         w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(torch.bfloat16)
@@ -792,16 +787,15 @@ ENGINE_MODEL = ModelConfig(
 )
 
 
-def greedy_runs(monkeypatch, backend: str, dtype: torch.dtype):
+def greedy_runs(backend: str, dtype: torch.dtype):
     """Each request's greedy tokens, with the log-probabilities of the top two at every step."""
-    # The model resolves its ops when built: KERNELS must be set first.
-    monkeypatch.setenv("KERNELS", backend)
-    model = LlamaModel(ENGINE_MODEL, random_tensors(ENGINE_MODEL, seed=3, std=0.5), dtype, CPU)
+    # The model resolves its ops (and its sampler's argmax) for `backend` when built.
+    model = LlamaModel(ENGINE_MODEL, random_tensors(ENGINE_MODEL, seed=3, std=0.5), dtype, CPU, backend)
     assert (model.ops.paged_attention is paged_attention_ref) == (backend == "reference")
     # A 16-token step budget chunks the long prompts while the short ones decode, so steps
     # mix decodes with prefill chunks; the shared 40-token prefix makes later chunks start
     # after cached blocks.
-    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8), model=model)
+    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8), LoadedModel(model))
     g = gen(11)
     prefix = torch.randint(0, ENGINE_MODEL.vocab_size, (40,), generator=g).tolist()
     prompts = [torch.randint(0, ENGINE_MODEL.vocab_size, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70)]
@@ -810,18 +804,18 @@ def greedy_runs(monkeypatch, backend: str, dtype: torch.dtype):
     return engine.generate(prompts, params)
 
 
-def greedy_tokens(monkeypatch, backend: str, dtype: torch.dtype) -> list[tuple[int, ...]]:
-    return [c.token_ids for c in greedy_runs(monkeypatch, backend, dtype)]
+def greedy_tokens(backend: str, dtype: torch.dtype) -> list[tuple[int, ...]]:
+    return [c.token_ids for c in greedy_runs(backend, dtype)]
 
 
-def test_engine_greedy_output_is_identical_with_compiled_kernels_in_fp32(monkeypatch):
-    reference = greedy_tokens(monkeypatch, "reference", torch.float32)
-    compiled = greedy_tokens(monkeypatch, "cpu", torch.float32)
+def test_engine_greedy_output_is_identical_with_compiled_kernels_in_fp32():
+    reference = greedy_tokens("reference", torch.float32)
+    compiled = greedy_tokens("cpu", torch.float32)
     assert compiled == reference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_engine_greedy_output_agrees_with_compiled_kernels_in_half_precision(monkeypatch, dtype):
+def test_engine_greedy_output_agrees_with_compiled_kernels_in_half_precision(dtype):
     # The compiled decode keeps attention in fp32 where the reference's SDPA rounds to the
     # dtype, so where two tokens are all but tied the choice can flip and the continuations
     # part from there (measured: in bf16 three of seven requests part, at tokens 7, 10 and 13
@@ -829,8 +823,8 @@ def test_engine_greedy_output_agrees_with_compiled_kernels_in_half_precision(mon
     # parts at token 2, within 0.016). Up to the first such near-tie (top two within a few
     # ulps of the logits) every request must agree, and most requests throughout.
     tie = 32 * torch.finfo(dtype).eps  # four ulps of a logit near 8: 0.25 in bf16, 0.031 in fp16
-    reference = greedy_runs(monkeypatch, "reference", dtype)
-    compiled = greedy_runs(monkeypatch, "cpu", dtype)
+    reference = greedy_runs("reference", dtype)
+    compiled = greedy_runs("cpu", dtype)
     for ref, ours in zip(reference, compiled):
         for ref_step, our_step in zip(ref.logprobs, ours.logprobs):
             margins = [step.top[0][1] - step.top[1][1] for step in (ref_step, our_step)]
@@ -846,13 +840,14 @@ def test_engine_greedy_output_agrees_with_compiled_kernels_in_half_precision(mon
 def test_argmax_rows_matches_torch_including_ties_and_nan(cpu_ops, ext, dtype, cols):
     # Rows of random logits, a row of one value (every index ties: the first wins), a row whose
     # maximum appears twice, and a row with a NaN (torch takes NaN for the largest).
-    cpu_ops(dtype)  # KERNELS=cpu: kernels.argmax_rows takes the compiled op, or raises
+    argmax_rows = cpu_ops(dtype).argmax_rows  # the compiled op, or it raises
     x = torch.randn(6, cols, generator=gen(cols)).to(dtype)
     x[1] = 0.5
     if cols > 2:
         x[2, cols // 3] = x[2, cols - 1] = 100
         x[3, cols // 2] = math.nan
-    got = kernels.argmax_rows(x)
+    got = argmax_rows(x)
+    assert torch.equal(kernels.argmax_rows(x), got)  # the per-call dispatch (auto) agrees
     assert got.dtype == torch.int64 and torch.equal(got, x.max(-1).indices)
     assert torch.equal(ext.argmax_rows(x[:, : max(1, cols // 2)]), x[:, : max(1, cols // 2)].max(-1).indices)  # strided rows
     with pytest.raises(RuntimeError, match="cols > 0"):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import silu_and_mul_impl, silu_and_mul_ref
 from kernels.dispatch import pick
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention_ref
@@ -262,35 +262,39 @@ def test_silu_and_mul(num_tokens, intermediate, dtype):
 # -- the dispatcher ---------------------------------------------------------------------------
 
 
-def test_dispatcher_uses_the_reference_on_cpu(monkeypatch):
-    monkeypatch.setenv("KERNELS", "auto")
+def test_dispatcher_uses_the_reference_on_cpu():
     x = torch.randn(4, 10, generator=gen(14))
     torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x))
-    monkeypatch.setenv("KERNELS", "reference")
-    assert kernels.backend_name() == "reference"
-    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x))
+    assert silu_and_mul_impl(x, "reference") is silu_and_mul_ref
+    assert kernels.ops_for(torch.device("cpu"), choice="reference").silu_and_mul is silu_and_mul_ref
 
 
-def test_dispatcher_rejects_unknown_backends(monkeypatch):
+def test_dispatcher_rejects_unknown_backends():
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        pick(silu_and_mul_ref, None, torch.randn(2, 4), choice="cuda-magic")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernels.ops_for(torch.device("cpu"), choice="cuda-magic")
+
+
+def test_dispatcher_reads_no_environment_variable(monkeypatch):
+    # The choice is the caller's (EngineConfig.kernels): KERNELS in the environment steers nothing.
     monkeypatch.setenv("KERNELS", "cuda-magic")
-    with pytest.raises(ValueError, match="KERNELS must be one of"):
-        kernels.silu_and_mul(torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x))
+    assert kernels.ops_for(torch.device("cpu"), choice="reference").silu_and_mul is silu_and_mul_ref
 
 
-def test_dispatcher_says_when_triton_is_forced_but_missing(monkeypatch):
-    monkeypatch.setenv("KERNELS", "triton")
+def test_dispatcher_says_when_triton_is_forced_but_missing():
     with pytest.raises(NotImplementedError, match="no Triton implementation"):
-        pick(silu_and_mul_ref, None, torch.randn(2, 4))
+        pick(silu_and_mul_ref, None, torch.randn(2, 4), choice="triton")
 
 
-def test_dispatcher_picks_triton_only_for_cuda_tensors_or_when_forced(monkeypatch):
+def test_dispatcher_picks_triton_only_for_cuda_tensors_or_when_forced():
     def triton_impl():
         pass
 
     cpu = torch.randn(2, 4)
-    monkeypatch.setenv("KERNELS", "auto")
     assert pick(silu_and_mul_ref, triton_impl, cpu) is silu_and_mul_ref
-    monkeypatch.setenv("KERNELS", "triton")
-    assert pick(silu_and_mul_ref, triton_impl, cpu) is triton_impl
-    monkeypatch.setenv("KERNELS", "reference")
-    assert pick(silu_and_mul_ref, triton_impl, cpu) is silu_and_mul_ref
+    assert pick(silu_and_mul_ref, triton_impl, cpu, choice="auto") is silu_and_mul_ref
+    assert pick(silu_and_mul_ref, triton_impl, cpu, choice="triton") is triton_impl
+    assert pick(silu_and_mul_ref, triton_impl, cpu, choice="reference") is silu_and_mul_ref

@@ -9,7 +9,7 @@ of 1 and 129, a hidden size of 1823. The interpreter runs each program in numpy 
 3 ms per 32-key attention tile here), so 1000-token contexts appear in a few cases only.
 
 The same launches are then compiled for sm_90 and sm_80 without a GPU, and a tiny
-engine must produce the same greedy tokens with KERNELS=triton and KERNELS=reference.
+engine must produce the same greedy tokens with the kernels choice triton and reference.
 """
 
 from __future__ import annotations
@@ -376,37 +376,36 @@ def test_unsupported_inputs_are_refused_with_the_reason():
 # -- the dispatcher and the model ------------------------------------------------------------
 
 
-def test_kernels_triton_resolves_every_op_to_triton(monkeypatch):
-    monkeypatch.setenv("KERNELS", "triton")
-    ops = kernels.ops_for(CPU, torch.float32)
+def test_kernels_triton_resolves_every_op_to_triton():
+    ops = kernels.ops_for(CPU, torch.float32, "triton")
     assert ops.silu_and_mul is silu_and_mul_triton
     assert ops.rms_norm is rms_norm_triton and ops.add_rms_norm is add_rms_norm_triton
     assert ops.apply_rotary is apply_rotary_triton
     assert ops.write_kv is write_kv_triton
     assert ops.rotary_write_kv is rotary_write_kv_triton
     assert ops.paged_attention is paged_attention_triton
-    monkeypatch.setenv("KERNELS", "auto")  # CPU tensors: never Triton unless forced
-    assert kernels.ops_for(CPU, torch.float32).paged_attention is not paged_attention_triton
+    # CPU tensors: never Triton unless forced
+    assert kernels.ops_for(CPU, torch.float32, "auto").paged_attention is not paged_attention_triton
 
 
-def test_engine_greedy_output_is_identical_with_triton_kernels(monkeypatch):
+def test_engine_greedy_output_is_identical_with_triton_kernels():
     # The tiny 9/3-head model of the CPU kernels' parity test: mixed prompt lengths, prefills
     # chunked by a 24-token budget alongside decodes, and a shared prefix served from the cache.
-    reference = greedy_tokens(monkeypatch, "reference", torch.float32)
-    triton_tokens = greedy_tokens(monkeypatch, "triton", torch.float32)
+    reference = greedy_tokens("reference", torch.float32)
+    triton_tokens = greedy_tokens("triton", torch.float32)
     assert triton_tokens == reference
 
 
 def test_kernels_import_and_refuse_triton_clearly_where_it_is_not_installed():
     # The CPU install has no Triton: `kernels` must import, use its references and compiled
-    # CPU kernels, and KERNELS=triton must say why it cannot run.
+    # CPU kernels, and the choice triton must say why it cannot run.
     script = (
         "import sys; sys.modules['triton'] = None\n"
-        "import os, torch, kernels\n"
-        "os.environ['KERNELS'] = 'reference'\n"
+        "import torch, kernels\n"
+        "assert not kernels._triton.INTERPRETING\n"
+        "assert kernels.ops_for(torch.device('cpu'), choice='reference').silu_and_mul(torch.ones(1, 4)).shape == (1, 2)\n"
         "assert kernels.silu_and_mul(torch.ones(1, 4)).shape == (1, 2)\n"
-        "os.environ['KERNELS'] = 'triton'\n"
-        "try:\n    kernels.ops_for(torch.device('cpu'))\n"
+        "try:\n    kernels.ops_for(torch.device('cpu'), choice='triton')\n"
         "except NotImplementedError as e:\n    print(e)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)

@@ -16,6 +16,7 @@ import pytest
 from inference import readiness
 from inference.engine.async_engine import AsyncEngine
 from inference.engine.api import SamplingParams
+from inference.engine.model_runner import ModelRunner
 from inference.host import EngineHost
 from tests.engine import tiny
 from tests.engine.tiny import one_thread
@@ -50,9 +51,8 @@ class HeldRunner:
 
 @pytest.fixture
 def stuck_engine():
-    engine = tiny.tiny_engine(swap_space_bytes=1 << 16)
-    runner = HeldRunner(engine.runner)
-    engine.runner = runner
+    engine = tiny.tiny_engine(swap_space_bytes=1 << 16, make_runner=lambda model, **kv_cache: HeldRunner(ModelRunner(model, **kv_cache)))
+    runner = engine.runner
     clock = FakeClock()
     async_engine = AsyncEngine(engine, clock=clock, lease_s=10**9)
     async_engine.start()

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 from django.conf import settings
 
-from inference.engine.engine import LLMEngine
+from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.errors import QueueFullError
 from inference.engine.api import SamplingParams
 from inference.generation import engine_error
@@ -26,7 +26,7 @@ def platform_engine(lane_max_waiting: tuple[int, int, int]) -> LLMEngine:
     # The platform's configuration, with a model and a queue small enough to fill in a test.
     config = dataclasses.replace(engine_config(), num_blocks=256, block_size=4, max_num_seqs=4,
                                  max_num_batched_tokens=64, lane_max_waiting=lane_max_waiting)
-    return LLMEngine(config, model=tiny_model(), clock=ManualClock())
+    return LLMEngine(config, LoadedModel(tiny_model()), clock=ManualClock())
 
 
 def test_a_tenant_flooding_a_lane_is_refused_its_extra_requests_while_another_still_queues():

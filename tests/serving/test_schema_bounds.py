@@ -150,7 +150,7 @@ def test_every_numeric_field_has_the_one_range_in_the_schema_validation_and_engi
 def test_stop_bounds_above_the_engines_ceilings_fail_the_system_check():
     assert check_request_bounds() == []
     with override_settings(MAX_STOP=MAX_STOP_SEQUENCES + 1):
-        assert [e.id for e in check_request_bounds()] == ["inference.E006"]
+        assert [e.id for e in check_request_bounds()] == ["inference.E007"]
     with override_settings(MAX_STOP=4, MAX_STOP_CHARS=MAX_STOP_TOTAL_CHARS // 4 + 1):
         assert "MAX_STOP x MAX_STOP_CHARS" in check_request_bounds()[0].msg
 

@@ -106,13 +106,14 @@ class Linear:
     64 tokens), where `F.linear` ran the tall, thin lm_head at 43 GFLOP/s.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False, few_rows: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False, few_rows: bool = True,
+                 kernels_choice: str = "auto"):
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         # A step of a few tokens streams the weights: a kernel that reads them at full speed
         # (on a CPU that emulates bf16, it takes every row count).
-        few = kernels.small_linear_for(weight) if few_rows else None
+        few = kernels.small_linear_for(weight, kernels_choice) if few_rows else None
         self.small, self.small_rows = few if few is not None else (None, 0)
         self.packed = None
         if (
@@ -145,11 +146,11 @@ class GateUp:
     activation in one pass (bf16 on AMX); otherwise, and for long prefill chunks, one fused
     projection and the backend's silu_and_mul."""
 
-    def __init__(self, weight: torch.Tensor, silu_and_mul):
-        fused = kernels.gated_linear_for(weight)
+    def __init__(self, weight: torch.Tensor, silu_and_mul, kernels_choice: str = "auto"):
+        fused = kernels.gated_linear_for(weight, kernels_choice)
         self.fused, self.fused_rows = fused if fused is not None else (None, 0)
         # With the fused path, the plain projection only serves long chunks: oneDNN's.
-        self.linear = Linear(weight, few_rows=fused is None)
+        self.linear = Linear(weight, few_rows=fused is None, kernels_choice=kernels_choice)
         self.silu_and_mul = silu_and_mul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +162,8 @@ class GateUp:
 class LlamaModel(torch.nn.Module):
     """Weights in Hugging Face names, with q/k/v and gate/up fused into one matmul each."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 kernels_choice: str = "auto"):
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -174,10 +176,10 @@ class LlamaModel(torch.nn.Module):
                 raise ValueError(f"weight {name!r} missing from the checkpoint") from None
             return t.to(device=device, dtype=dtype).contiguous()
 
-        self.ops = kernels.ops_for(device, dtype)
+        self.ops = kernels.ops_for(device, dtype, kernels_choice)
         self.embed = take("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"), keep_weight=True)
+        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"), keep_weight=True, kernels_choice=kernels_choice)
         self.norm = take("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -187,11 +189,12 @@ class LlamaModel(torch.nn.Module):
             self.layers.append(
                 {
                     "input_norm": take(p + "input_layernorm.weight"),
-                    "qkv": Linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias),
-                    "o": Linear(take(attn + "o_proj.weight")),
+                    "qkv": Linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias, kernels_choice=kernels_choice),
+                    "o": Linear(take(attn + "o_proj.weight"), kernels_choice=kernels_choice),
                     "post_norm": take(p + "post_attention_layernorm.weight"),
-                    "gate_up": GateUp(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]), self.ops.silu_and_mul),
-                    "down": Linear(take(p + "mlp.down_proj.weight")),
+                    "gate_up": GateUp(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                                      self.ops.silu_and_mul, kernels_choice),
+                    "down": Linear(take(p + "mlp.down_proj.weight"), kernels_choice=kernels_choice),
                 }
             )
 
