@@ -44,8 +44,8 @@ SLOW_FIXTURES = frozenset({
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `slow` every test that uses a fixture of SLOW_FIXTURES. `fixturenames` is the
     closure over the fixtures a test's fixtures request, so no test needs marking by hand
-    for what its fixtures do; a module that starts processes in its tests' bodies says
-    `pytestmark = pytest.mark.slow` itself."""
+    for what its fixtures do. What a fixture cannot show is marked where it is: a test that
+    starts processes in its body, or a module heavy by nature (test_triton_kernels.py)."""
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
