@@ -9,10 +9,10 @@ weights stream from memory. On CPU:
   8-13 GB/s at 2-64 rows where it reads them at 16-24 (bench/linear_small.py);
 - fp32: the compiled `linear_small`, up to SMALL_ROWS rows, at nearly the machine's read
   bandwidth, where oneDNN and MKL reached about half of it;
-- bf16 with AVX512-BF16 but no AMX: oneDNN at every row count. `linear_small` took one row
-  here until a 2-core AVX512-BF16 EPYC ran it 0.96x oneDNN there; and since it sums in
-  another order than oneDNN, a lone sequence's step came out a few ulps off the same row
-  in a batch, so a seeded sample could change with what else was running;
+- bf16 with AVX512-BF16 but no AMX: oneDNN at every row count. `linear_small` ran one row
+  at 0.96x oneDNN on a 2-core AVX512-BF16 EPYC, and it sums in another order than oneDNN:
+  a lone sequence's step would come out a few ulps off the same row in a batch, so a
+  seeded sample could change with what else runs;
 - bf16 on an AVX-512 CPU without native bf16 (AVX512-BF16 or AMX): every row count
   (ALL_ROWS), `linear_small` up to EMULATED_SMALL_ROWS and above it the weights widened
   to fp32 for one fp32 GEMM, both faster than oneDNN's emulated bf16 GEMM.
@@ -32,7 +32,7 @@ from kernels.dispatch import check_choice
 
 # Up to this many rows the compiled fp32 kernel takes the step (bench/linear_small.py
 # measures where it stops paying): 1.2-2x oneDNN's packed GEMM up to 16 rows on a 2-core
-# AVX2 EPYC, even at 32.
+# AVX2 EPYC, about even at 32.
 SMALL_ROWS = 16
 # linear_amx on a 2-core AMX Xeon, over SmolLM2's weights: 1.2-1.7x oneDNN at 1-64 rows;
 # at 128-512 rows 1.2-1.3x for the layers and about even with the tall lm_head included;

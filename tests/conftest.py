@@ -26,6 +26,31 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 UNREACHABLE_REDIS_URL = "redis://127.0.0.1:1/0"
 
 
+# Fixtures that start a live platform or worker, or load the real SmolLM2 weights: a test that
+# uses one, directly or through another fixture, is marked `slow` and left out of `make
+# test-fast`. Each takes seconds to minutes to start; the tests that only need Redis, an
+# in-process Django or a tiny random-weight engine stay fast.
+SLOW_FIXTURES = frozenset({
+    "live",          # tests/serving/conftest.py: daphne with the real engine
+    "hostile_live",  # below: the same, for tests/security/ and tests/reliability/
+    "stack",         # tests/batches/conftest.py (daphne + Celery workers), test_broker_restart.py (a worker)
+    "platform",      # tests/console/test_browser.py: daphne for the browser (and `browser`, `page` on it)
+    "smollm",        # tests/engine/conftest.py: the real weights (and `make_engine`, `chat_prompt_ids`)
+    "hf_reference",  # tests/engine/conftest.py: transformers loading the same GGUF
+})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that uses a fixture of SLOW_FIXTURES. `fixturenames` is the
+    closure over the fixtures a test's fixtures request, so no test needs marking by hand
+    for what its fixtures do. What a fixture cannot show is marked where it is: a test that
+    starts processes in its body, or a module heavy by nature (test_triton_kernels.py)."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

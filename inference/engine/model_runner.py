@@ -26,10 +26,10 @@ def keep_freed_memory() -> bool:
 
     A step allocates the same large activations every time (a 2048-token prefill chunk's
     MLP input is 12 MB). By default glibc maps fresh pages for each such block and unmaps
-    them on free, or trims the heap's top, so every step faulted its activations in again:
+    them on free, or trims the heap's top, so every step faults its activations in again:
     ~110,000 page faults and 0.9 s of system time in bench/engine_throughput.py's offline
-    run, SiLU on a prefill chunk 3.2 ms instead of 1.3. Blocks up to 32 MB now come from
-    the heap and freed memory stays there (the process keeps its high-water mark, which
+    run, SiLU on a prefill chunk 3.2 ms instead of 1.3. With this, blocks up to 32 MB come
+    from the heap and freed memory stays there (the process keeps its high-water mark, which
     the next step reuses). Returns whether it applied (glibc on Linux), once per process.
     """
     try:

@@ -54,11 +54,11 @@ static inline void softmax_block(float* sh, int64_t n, float& m, float& l, float
 // key and head: those were most of the work), the softmax runs sixteen exponentials at a time,
 // and the value accumulators stay in registers across a block. With AVX512-BF16, vdpbf16ps
 // dots a bf16 cache's pairs in fp32 directly; without it, bf16 widens to fp32 by a shift.
-// 64 sequences x 300 tokens, 30 layers, 2 threads, on a 2-core Xeon with AMX: 44.5 ms before,
-// when each key's dot was reduced on its own. On a 2-core Ice Lake Xeon (AVX-512, no BF16),
-// bf16 caches ran here 1.85x (64 sequences) and 2.2x (16) faster than on the scalar loop they
-// took before; fp32 ran even with the AVX2 path below (both bound by reading the cache), which
-// stays for CPUs without AVX-512.
+// 64 sequences x 300 tokens, 30 layers, 2 threads, on a 2-core Xeon with AMX: ~21 ms, where
+// reducing each key's dot on its own took 44.5 ms. On a 2-core Ice Lake Xeon (AVX-512, no
+// BF16), bf16 caches run here 1.85x (64 sequences) and 2.2x (16) as fast as on the scalar
+// loop; fp32 runs even with the AVX2 path below (both bound by reading the cache), which
+// serves CPUs without AVX-512.
 
 // lane i of the result = the sum of the lanes of a[i].
 static inline __m512 transpose_sum16(__m512* a) {
@@ -253,11 +253,12 @@ static inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, fl
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// fp32 fast path (AVX2 + FMA, head_dim a multiple of 32). The generic loop reduced every
-// (token, head) dot product horizontally and ran its exponentials one at a time: ~660 cycles
+// fp32 fast path (AVX2 + FMA, head_dim a multiple of 32). The generic loop reduces every
+// (token, head) dot product horizontally and runs its exponentials one at a time: ~660 cycles
 // per token and kv head, 124 ms for 30 layers at 64 sequences x 160 tokens on a 2-core AVX2
-// EPYC. Here eight keys are dotted side by side and reduced together, exponentials run eight
-// at a time, and values accumulate 32 dimensions per register pass.
+// EPYC, where this path takes ~49 ms (bound by reading the cache). Here eight keys are dotted
+// side by side and reduced together, exponentials run eight at a time, and values accumulate
+// 32 dimensions per register pass.
 
 // The sums of four vectors, as the lanes of one.
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -380,8 +381,8 @@ static void decode_kernel(
   const int64_t token_stride = num_kv_heads * head_dim;       // between tokens of a block
   const int64_t block_stride = block_size * token_stride;     // between blocks
   // With enough sequences to go round, one work item takes a whole sequence, so each
-  // block is read from memory once for all its kv heads (splitting by kv head made
-  // three passes over the same scattered blocks and ran ~2x slower at 64 sequences).
+  // block is read from memory once for all its kv heads (split by kv head, three passes
+  // over the same scattered blocks ran ~2x slower at 64 sequences).
   // A few sequences split by kv head instead, to keep every thread busy.
   const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / splits;
@@ -392,7 +393,8 @@ static void decode_kernel(
 #endif
   // Contexts differ in length: each thread takes a contiguous run of items holding an equal
   // share of the tokens (plus a block's worth per item for its set-up), not an equal count of
-  // items, which left one thread with most of the work when long sequences bunched up.
+  // items, which leaves one thread with most of the work when long sequences bunch up (30
+  // layers at 64 sequences of 32-500 tokens on the AMX Xeon: 31.7 ms, 36.7 by item count).
   const int64_t items = num_seqs * splits;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> bounds(threads + 1, items);
@@ -431,10 +433,11 @@ static void decode_kernel(
           if (more) {
             // Blocks lie anywhere in the cache, so the hardware prefetcher starts cold at each:
             // ask for the next one's keys and values while this one is worked on (a core alone
-            // read ~6 GB/s of scattered blocks without this). Only this item's heads of each
+            // reads ~6 GB/s of scattered blocks without it). Only this item's heads of each
             // token (split by kv head, items would each fetch the whole block), a share before
-            // each head's work: issued all at once, they filled the line-fill buffers and the
-            // prefetches themselves stalled (a third of the kernel's cycles in a profile).
+            // each head's work: issued all at once, they fill the line-fill buffers and the
+            // prefetches themselves stall (a third of the kernel's cycles in a profile; the
+            // shares ran 1.1x the single burst on the AMX Xeon).
             for (int64_t t = kh * block_size / heads_per_item; t < (kh + 1) * block_size / heads_per_item; ++t) {
               const char* kr = reinterpret_cast<const char*>(k_cache + next + t * token_stride);
               const char* vr = reinterpret_cast<const char*>(v_cache + next + t * token_stride);
@@ -869,7 +872,7 @@ static void add_rms_norm_kernel(const T* x, T* residual, const T* weight, T* out
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
 #if defined(__AVX512F__)
-    // bf16, sixteen at a time (the scalar loop ran ~5 cycles per element converting).
+    // bf16, sixteen at a time (the scalar loop takes ~5 cycles per element converting).
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (dim % 16 == 0) {
         for (int64_t r = begin; r < end; ++r) {
@@ -989,8 +992,8 @@ static torch::Tensor checked_slots(torch::Tensor slots, const torch::Tensor& cac
 // rotary_write_kv: a fused q/k/v projection's output row per token ([heads | kv_heads |
 // kv_heads] x dim) in one pass: q rotated into a new [tokens, heads, dim], k rotated and v
 // copied straight into the token's cache slot (a negative slot skips both). In the model
-// this replaced a split, three views, two rotary calls and write_kv: ~100 us a layer at a
-// 64-token step, most of it Python and allocations.
+// it stands for a split, three views, two rotary calls and write_kv, which cost ~100 us a
+// layer at a 64-token step, most of it Python and allocations.
 template <typename T>
 static void rotary_write_kv_kernel(const T* qkv, const float* cos, const float* sin, T* q, T* k_cache, T* v_cache,
                                    const int64_t* slot, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {

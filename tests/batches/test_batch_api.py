@@ -22,8 +22,6 @@ import pytest
 
 from tests.batches.conftest import read_jsonl, wait_for
 
-pytestmark = pytest.mark.slow
-
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MODEL = "SmolLM2-135M-Instruct"
 CONTEXT = 8192  # SmolLM2's context, in tokens

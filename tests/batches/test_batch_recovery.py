@@ -6,11 +6,7 @@ import signal
 import urllib.error
 import urllib.request
 
-import pytest
-
 from tests.batches.conftest import chat_lines, read_jsonl, wait_for
-
-pytestmark = pytest.mark.slow
 
 TENANT = "recover"
 

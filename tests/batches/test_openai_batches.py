@@ -3,11 +3,7 @@ poll to completed, download one result per custom_id."""
 import io
 import time
 
-import pytest
-
 from tests.batches.conftest import chat_lines, read_jsonl, wait_for
-
-pytestmark = pytest.mark.slow
 
 
 def test_a_200_line_batch_completes_with_one_chat_completion_per_custom_id(stack):

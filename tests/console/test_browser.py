@@ -28,8 +28,6 @@ from console.urls import urlpatterns
 from tests.batches.conftest import WORKER_ENV, Worker, chat_lines, wait_for
 from tests.live import ROOT, LiveServer, start_live_server
 
-pytestmark = pytest.mark.slow
-
 CHROMIUM = "/usr/bin/chromium"
 # Without the networking flags Chromium keeps calling home, which a closed network turns into noise and delay.
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -26,8 +26,6 @@ import redis
 
 from tests.live import LiveServer
 
-pytestmark = pytest.mark.slow
-
 ADMISSION_TIMEOUT_S = 4.0  # tests/isolation_env.py
 REDIS_TIMEOUT_S = 2.0  # config/redis.py: a call to a Redis that answers nothing fails after this
 CALM = ["calm-a", "calm-b", "calm-c", "calm-d", "bystander"]

@@ -38,7 +38,7 @@ from celery import Celery
 from tests.conftest import free_port, start_redis
 from tests.live import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 HELD = 3  # unacknowledged messages the worker holds when Redis dies
 WAIT_S = 60  # how long any one step may take before the test fails; never a timing assertion

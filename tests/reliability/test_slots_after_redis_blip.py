@@ -12,14 +12,11 @@ import signal
 import threading
 import time
 
-import pytest
 import redis
 
 from tenants.limits import Limiter
 from tests.live import LiveServer
 from tests.serving.rawsse import OPENAI_CHAT, Comment, SocketStream, chat_body
-
-pytestmark = pytest.mark.slow
 
 TENANT = "blip"
 TTL_S = 3.0  # STREAM_LEASE_TTL_S in tests/isolation_env.py

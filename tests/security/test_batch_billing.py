@@ -12,12 +12,9 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import pytest
 import redis
 
 from tests.live import LiveServer
-
-pytestmark = pytest.mark.slow
 
 TENANT = "batch-billing"
 ITEM = 424242  # the BatchItem's primary key, as a worker sends it

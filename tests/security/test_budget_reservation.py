@@ -12,12 +12,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from tests.live import LiveServer
 from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
-
-pytestmark = pytest.mark.slow
 
 TENANT = "budget"  # monthly_token_budget 100 (tests/isolation_env.py)
 BUDGET = 100

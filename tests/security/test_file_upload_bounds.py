@@ -78,7 +78,6 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 # --- line counts and streaming --------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_file_of_blank_lines_past_batch_max_lines_is_refused_naming_file(hostile_live: LiveServer):
     key = hostile_live.keys["uploads-acme"]
     content = (chat_line("a") + "\n" + "\n" * BATCH_MAX_LINES).encode()
@@ -91,7 +90,6 @@ def test_a_file_of_blank_lines_past_batch_max_lines_is_refused_naming_file(hosti
     assert upload(hostile_live, (chat_line("a") + "\n").encode(), key).status_code == 200
 
 
-@pytest.mark.slow
 def test_a_large_upload_of_blank_lines_stalls_no_other_request(hostile_live: LiveServer):
     """Twisted parsed every multipart body with the email package, whole and on the event loop,
     before the application saw it: 40 MiB of blank lines froze the process for 30-60 s (the
@@ -119,7 +117,6 @@ def test_a_large_upload_of_blank_lines_stalls_no_other_request(hostile_live: Liv
     assert worst < 10, f"another request waited {worst:.1f} s while the upload was handled"
 
 
-@pytest.mark.slow
 def test_an_upload_of_blank_lines_is_refused_once_it_passes_the_line_limit_not_once_it_is_all_in(
         hostile_live: LiveServer):
     """The server used to receive, store and parse all of such a body before the 400: 40 MiB of
@@ -167,7 +164,6 @@ def test_uploads_and_batch_creation_are_served_off_the_thread_of_djangos_other_v
 # --- authentication before the body ---------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key", [None, "sk-0123456789ab_not-a-real-key-at-all-0000000000", "not-a-key"])
 def test_an_upload_without_a_valid_key_is_refused_before_its_body_is_read(hostile_live: LiveServer, key):
     # 100 MB announced, a few KB sent: the 401 must come without the rest of the body.
@@ -178,7 +174,6 @@ def test_an_upload_without_a_valid_key_is_refused_before_its_body_is_read(hostil
     assert body["error"]["code"] in ("missing_api_key", "invalid_api_key")
 
 
-@pytest.mark.slow
 def test_an_upload_with_a_valid_key_that_expects_100_continue_gets_it_and_is_stored(hostile_live: LiveServer):
     content = (chat_line("a") + "\n").encode()
     body = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
@@ -196,7 +191,6 @@ def test_an_upload_with_a_valid_key_that_expects_100_continue_gets_it_and_is_sto
     assert status == 200 and stored["object"] == "file" and stored["bytes"] == len(content)
 
 
-@pytest.mark.slow
 def test_a_tenants_second_upload_at_once_is_refused_before_its_body_is_read(hostile_live: LiveServer):
     key = hostile_live.keys["uploads-acme"]
     with socket.create_connection(address(hostile_live), timeout=TIMEOUT_S) as first:

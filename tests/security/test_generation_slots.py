@@ -19,8 +19,6 @@ from tenants.limits import Limiter
 from tests.live import LiveServer
 from tests.serving.rawsse import OPENAI_CHAT, Comment, SocketStream, chat_body
 
-pytestmark = pytest.mark.slow
-
 TENANT = "slots"
 SLOTS = 8
 LONG = 500  # tokens (the tier's most): the held streams outlive the test's short requests

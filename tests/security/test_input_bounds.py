@@ -15,15 +15,12 @@ import asyncio
 import json
 import threading
 
-import pytest
 import requests
 from django.conf import settings
 from websockets.asyncio.client import connect
 
 from tests import isolation_env
 from tests.live import LiveServer
-
-pytestmark = pytest.mark.slow
 
 HANG_GUARD_S = 120  # a broken server fails the test instead of hanging it; never a timing assertion
 HI = [{"role": "user", "content": "Say hi."}]

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 import requests
 
 from tests.live import LiveServer
-
-pytestmark = pytest.mark.slow
 
 HANG_GUARD_S = 120  # a broken server fails the test instead of hanging it; never a timing assertion
 

@@ -16,8 +16,6 @@ import pytest
 from tests.live import LiveServer
 from tests.wsclient import bearer, connect, first_token, run, start, until_closed, until_end, ws_url
 
-pytestmark = pytest.mark.slow
-
 RECHECK_S = 1.0  # WS_AUTH_RECHECK_S in tests/isolation_env.py
 CLOSE_WITHIN_S = RECHECK_S + 10  # one re-check, with room for a busy 2-core machine
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
 
 from tests.live import LiveServer
 from tests.wsclient import bearer, connect, first_token, run, start, until_closed, until_end, ws_url
-
-pytestmark = pytest.mark.slow
 
 SOCKETS_PER_KEY = 2
 BURST = 20  # twice WS_MAX_FRAMES_PER_S

@@ -8,8 +8,6 @@ import pytest
 from tests.live import LiveServer
 from tests.wsclient import bearer, connect, run, until_closed, ws_url
 
-pytestmark = pytest.mark.slow
-
 
 def _chat(live: LiveServer, tenant: str) -> tuple[int, dict]:
     return live.post_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2},

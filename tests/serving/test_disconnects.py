@@ -20,8 +20,6 @@ from tenants.limits import Limiter
 from tests.live import LiveServer
 from tests.serving.rawsse import OPENAI_CHAT, PLATFORM_CHAT, Comment, Event, SocketStream, chat_body
 
-pytestmark = pytest.mark.slow
-
 TENANT = "disc"
 BATCH = 50
 # Clients in flight at once. The engine frees an aborted request's blocks when the step in

@@ -19,8 +19,6 @@ import redis
 from tests.live import LiveServer
 from tests.serving.conftest import TIERS
 
-pytestmark = pytest.mark.slow
-
 TENANT = "client"  # lane P1, max_tokens 512 per request, limits out of reach
 TIGHT_TENANT = "client-tight"  # 3 requests/min: only the rate-limit test uses it
 METERED_TENANT = "client-metered"  # tier live-metered: 60 tokens/min, 50 tokens per request

@@ -15,8 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live import LiveServer
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT_S = 120  # a hang guard for each request, never a timing assertion
 STATS_FIELDS = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "swap_blocks_used",
                 "requests_running", "requests_swapped", "preemptions")

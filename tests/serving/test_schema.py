@@ -21,8 +21,6 @@ from schemathesis.checks import not_a_server_error
 
 from tests.live import LiveServer
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT_S = 120  # a hang guard for each request, never a timing assertion
 OPERATIONS = [
     ("/v1/chat/completions", "post"),

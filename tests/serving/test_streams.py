@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import redis
 
 from tenants.limits import Limiter
 from tests.live import LiveServer
 from tests.serving.rawsse import OPENAI_CHAT, PLATFORM_CHAT, AsyncStream, Comment, Event, chat_body
-
-pytestmark = pytest.mark.slow
 
 MAX_NUM_SEQS = 64  # INFERENCE_MAX_NUM_SEQS of the live server
 QUEUE_CAP = 8

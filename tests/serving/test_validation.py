@@ -19,8 +19,6 @@ import pytest
 
 from tests.live import LiveServer
 
-pytestmark = pytest.mark.slow
-
 TENANT = "valid"  # lane P1, max_tokens 512 per request
 LANE_2_TENANT = "valid-p2"  # lane P2: may not ask for P0 or P1
 TIGHT_TENANT = "valid-tight"  # 3 requests/min, max_tokens 64 per request: at most 3 requests here

@@ -15,8 +15,6 @@ from websockets.exceptions import ConnectionClosed
 from tests.live import LiveServer
 from tests.wsclient import HANG_GUARD_S, bearer, recv_json, run, ws_url
 
-pytestmark = pytest.mark.slow
-
 MAX_REQUEST_BYTES = 256 * 1024  # the live server's (tests.live.DEFAULT_ENV)
 GREEDY_PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 LONG_PROMPT = [{"role": "user", "content": "Count from one to one thousand in words."}]
