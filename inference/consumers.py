@@ -29,8 +29,9 @@ from django.conf import settings
 
 from inference import formatting, protocol
 from inference.dispatch import NoSharedThreadDispatch
-from inference.generation import Caller, Generation, engine_failure
+from inference.generation import Caller, Generation
 from inference.host import host
+from inference.streaming import engine_failure
 from tenants.errors import ApiError, database_unavailable, limits_unavailable
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from inference.engine.api import TokenLogprob
-from inference.generation import Choice, Generation
+from inference.generation import Generation
+from inference.streaming import Choice
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 

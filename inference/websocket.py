@@ -40,7 +40,8 @@ from django.conf import settings
 
 from inference import protocol
 from inference.dispatch import NoSharedThreadDispatch
-from inference.generation import Caller, Generation, engine_failure
+from inference.generation import Caller, Generation
+from inference.streaming import engine_failure
 from tenants import admission, errors, quota
 from tenants.authentication import reload_key
 from tenants.errors import ApiError

@@ -144,21 +144,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
         token_ids = self._prompt_tokens(prompt)
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
-                f"({len(token_ids)} in the prompt, {params.max_tokens} for the completion)",
-                param="max_tokens" if len(token_ids) < self.max_model_len else "prompt",
-                code="context_length_exceeded",
-            )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"{total} tokens need more KV cache than this engine has "
-                f"({self.block_manager.num_blocks * self.block_manager.block_size} tokens)",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        self.check_context(len(token_ids), params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         seq = Sequence(
@@ -229,6 +215,41 @@ class LLMEngine:
                 steps += (remaining[-1] if remaining else 0) + rounds * max(s.params.max_tokens for s in ahead)
         return steps * self.step_s
 
+    # The API runs these two checks before it reserves a request's tokens, for every prompt of
+    # the request at once; add_request runs them again for each one it queues.
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """Refuse token ids outside the model's vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1}).",
+                                      param="prompt", code="invalid_token_id")
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Refuse a prompt that leaves no room in the context, or that with `max_tokens` (None:
+        not asked for yet) exceeds the context or the whole KV cache."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} tokens.",
+                param="prompt", code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return
+        total = num_prompt_tokens + max_tokens
+        if total > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but {total} were requested "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). Lower max_tokens or shorten the prompt.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        bm = self.block_manager
+        if bm.blocks_needed(total) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"{total} tokens need more KV cache than this engine has ({bm.num_blocks * bm.block_size} tokens).",
+                param="max_tokens", code="context_length_exceeded",
+            )
+
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -238,9 +259,7 @@ class LLMEngine:
             token_ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
                 raise InvalidRequestError("prompt token ids must be integers", param="prompt")
-            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt")
+            self.check_token_ids(token_ids)
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
         if not token_ids:

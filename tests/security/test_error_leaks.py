@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from batches import worker
-from inference.generation import engine_error
 from inference.host import EngineHost, EngineUnavailable
+from inference.streaming import engine_error
 from tests.batches.test_batch_states import broker, results, start_batch, tenant
 
 assert broker and tenant  # fixtures: importing them is what makes them available here

@@ -4,7 +4,7 @@ another tenant's requests still queue in the same lane.
 
 The real engine (a tiny random-weight model) with the platform's settings turned into its config
 the way the platform does it (inference.host.engine_config), and the API's answer to its refusal
-(inference.generation.engine_error)."""
+(inference.streaming.engine_error)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,8 @@ from django.conf import settings
 from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.errors import QueueFullError
 from inference.engine.api import SamplingParams
-from inference.generation import engine_error
 from inference.host import engine_config
+from inference.streaming import engine_error
 from tests.engine.tiny import ManualClock, one_thread, run_to_completion, tiny_model  # noqa: F401
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
