@@ -54,7 +54,7 @@ def test_a_config_error_fails_the_engine_start_for_the_operator_and_is_a_503_to_
     # Past the system checks (a setting changed under a running process, or one they do not
     # cover): the engine build raises ConfigError, which leaves the host failed with the
     # message for /readyz and the operator's stats, and a tenant's request sees 503, never 400.
-    from inference.generation import engine_error
+    from inference.streaming import engine_error
     from inference.host import FAILED, EngineHost, EngineUnavailable
     from inference.readiness import engine_state
 
