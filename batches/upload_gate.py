@@ -41,12 +41,6 @@ PENDING, PASSED, REFUSED = "pending", "passed", "refused"
 # separator (4-5 lines for `purpose`, the same for `file`, the closing boundary). A body over
 # the line limit by fewer than this still reaches the view, which counts the file's own lines.
 FRAMING_LINES = 32
-# A refused tenant's upload connection is answered at once but closed this much later, its body
-# unread meanwhile (nginx's lingering close, without the reading): a client that sends the body
-# before it reads (requests, httpx) reads the answer then. Without it two loops of a tenant's
-# 40 MiB uploads of blank lines were refused ~50 times a second, and another tenant's TTFT p50
-# went 0.04 -> 0.19 s (bench/isolation.py); with it each loop is refused once a second.
-REFUSAL_LINGER_S = 1.0
 
 
 def _gated(channel) -> bool:
@@ -99,7 +93,9 @@ def _refuse(request, error: ApiError, linger: bool = False) -> None:
         return
     transport.pauseProducing()
     transport.loseWriteConnection()  # the answer, then FIN: a client reading to the end stops there
-    asyncio.get_event_loop().call_later(REFUSAL_LINGER_S, transport.loseConnection)
+    # nginx's lingering close, without the reading: a client that sends the body before it reads
+    # (requests, httpx) reads the answer once the connection closes (FILES_REFUSAL_LINGER_S).
+    asyncio.get_event_loop().call_later(settings.FILES_REFUSAL_LINGER_S, transport.loseConnection)
 
 
 def _received(request) -> None:
@@ -123,11 +119,13 @@ async def _check(request, header: str | None) -> None:
         error, tenant_id = ApiError(503, "The server could not check the API key; retry shortly.", type="server_error",
                                     code="service_unavailable", headers={"Retry-After": "5"}), None
     channel = request.channel
-    if getattr(request, "_body_refused", False):  # its bytes already in flight were too many lines
+    if getattr(request, "_body_refused", False):  # refused meanwhile by another hook (its size)
         return
     if channel is None or channel.transport is None:  # the client left meanwhile
         request._key_check = REFUSED
         return
+    if error is None and request._lines_over:  # too many lines arrived during the check
+        error = too_many_lines(settings.BATCH_MAX_LINES)
     if error is None and _receiving[tenant_id] >= settings.FILES_MAX_CONCURRENT_UPLOADS:
         error = _too_many_uploads()
     if error is None:
@@ -164,17 +162,23 @@ def install() -> None:
         # instead, once the key passed, so a well-behaved client sends nothing before that.
         self._expect_continue = bool(expect) and expect[0].lower() == b"100-continue"
         self.requestHeaders.removeHeader(b"expect")
-        self._key_check, self._body_complete, self._body_lines = PENDING, False, 0
+        self._key_check, self._body_complete, self._body_lines, self._lines_over = PENDING, False, 0, False
         channel.transport.pauseProducing()
         asyncio.get_event_loop().create_task(_check(self, header[0].decode("latin-1") if header else None))
 
     def handleContentChunk(self, data):
         if not getattr(self, "_body_refused", False) and hasattr(self, "_body_lines"):
+            if self._lines_over:
+                return  # bytes that were in flight: the key check answers (see below)
             self._body_lines += data.count(b"\n")
             if self._body_lines > settings.BATCH_MAX_LINES + FRAMING_LINES:
-                # Lingers only once the key passed: bytes already in flight during the check
-                # could be an anonymous client's.
-                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES), linger=self._key_check == PASSED)
+                if self._key_check == PENDING:
+                    # The bytes in flight during the check were already too many: whose they are
+                    # decides the answer (a 401, or too_many_lines lingering for a known tenant),
+                    # so `_check` gives it.
+                    self._lines_over = True
+                    return
+                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES), linger=True)
                 return
         handle_chunk(self, data)
 
