@@ -6,10 +6,10 @@ and the WebSocket are Channels consumers, routed before Django in `config.asgi`.
 from django.conf import settings
 from django.contrib import admin
 from django.contrib.staticfiles.urls import staticfiles_urlpatterns
-from django.urls import include, path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from inference import health, operator_views
+from inference import health, operator_views, views
 
 SCHEMA_HOOKS = ["drf_spectacular.hooks.postprocess_schema_enums", "inference.openapi.close_request_bodies"]
 
@@ -34,3 +34,5 @@ if settings.DEBUG:
     # daphne serves no static files; in development Django serves the admin's own.
     # Production runs `collectstatic` and lets the front web server or CDN serve them.
     urlpatterns += staticfiles_urlpatterns()
+# Last: a client of the API gets JSON for a path that does not exist, as from any other error.
+urlpatterns.append(re_path(r"^(?:v1|api|internal)(?:/|$)", views.unknown_path))

@@ -17,6 +17,8 @@ def served_model_id() -> str:
     return Path(model).stem if ("/" in model or model.endswith(".gguf")) else model
 
 
-def served_models() -> list[dict[str, object]]:
-    """The OpenAI model objects for GET /v1/models."""
-    return [{"id": served_model_id(), "object": "model", "created": _STARTED, "owned_by": "platform"}]
+def served_models(max_model_len: int | None = None) -> list[dict[str, object]]:
+    """The OpenAI model objects for GET /v1/models, with vLLM's `max_model_len` (the context in
+    tokens; None until the engine has loaded the model and knows it)."""
+    return [{"id": served_model_id(), "object": "model", "created": _STARTED, "owned_by": "platform",
+             "max_model_len": max_model_len}]

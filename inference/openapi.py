@@ -20,7 +20,7 @@ from rest_framework.views import APIView
 from batches import views as batch_views
 from inference import protocol
 from inference.engine.api import LIMITS, MAX_N
-from inference.views import ModelList
+from inference.views import ModelDetail, ModelList
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -335,6 +335,7 @@ def close_request_bodies(result: dict, generator, request, public) -> dict:
 
 urlpatterns = [
     path("v1/models", ModelList.as_view()),
+    path("v1/models/<path:model>", ModelDetail.as_view()),
     # The Files and Batch APIs are plain DRF views: the schema describes the real ones.
     path("v1/files", batch_views.FileList.as_view()),
     path("v1/files/<str:file_id>", batch_views.FileDetail.as_view()),

@@ -6,4 +6,5 @@ app_name = "inference"
 
 urlpatterns = [
     path("models", views.ModelList.as_view(), name="models"),
+    path("models/<path:model>", views.ModelDetail.as_view(), name="model"),
 ]

@@ -87,6 +87,16 @@ def test_models_lists_the_served_model(client: openai.OpenAI, model: str):
     assert model
 
 
+def test_a_model_is_retrieved_with_its_context_length(client: openai.OpenAI, model: str):
+    served = client.models.retrieve(model)
+    assert (served.id, served.object) == (model, "model")
+    # vLLM's extra field: what a client sizes prompts by. SmolLM2's context is 8,192 tokens.
+    assert served.max_model_len == client.models.list().data[0].max_model_len == 8192
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.code == "model_not_found"
+
+
 def test_chat_completion(client: openai.OpenAI, model: str):
     response = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0,
                                               extra_body={"ignore_eos": True})

@@ -26,6 +26,7 @@ OPERATIONS = [
     ("/v1/chat/completions", "post"),
     ("/v1/completions", "post"),
     ("/v1/models", "get"),
+    ("/v1/models/{model}", "get"),
     ("/api/v1/inference/chat", "post"),
     ("/api/v1/engine/stats", "get"),
     ("/v1/files", "post"),
