@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_GET
 
 from config.daphne_hooks import stream_buffers
 from inference.host import EngineUnavailable, host
@@ -20,6 +20,19 @@ from inference.service_tokens import is_metrics_token, is_operator_token
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
+
+
+def _get_only(view):
+    """Django's require_GET, answering in the OpenAI error shape like the rest of the API."""
+    @functools.wraps(view)
+    def wrapped(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        if request.method not in ("GET", "HEAD"):
+            error = ApiError(405, f"Method {request.method} not allowed; use GET.", code="method_not_allowed")
+            response = JsonResponse(error.body(), status=405)
+            response["Allow"] = "GET, HEAD"
+            return response
+        return view(request, *args, **kwargs)
+    return wrapped
 
 
 def _is_loopback(request: HttpRequest) -> bool:
@@ -82,10 +95,10 @@ def engine_stats_payload() -> dict:
     }
 
 
-# csrf_exempt: both views only read (require_GET), so a POST gets 405 rather than a CSRF page.
+# csrf_exempt: both views only read (_get_only), so a POST gets 405 rather than a CSRF page.
 @csrf_exempt
 @never_cache
-@require_GET
+@_get_only
 def engine_stats(request: HttpRequest) -> JsonResponse:
     if not ((request.user.is_authenticated and request.user.is_staff)
             or is_operator_token(request.META.get("HTTP_AUTHORIZATION"))):
@@ -95,7 +108,7 @@ def engine_stats(request: HttpRequest) -> JsonResponse:
 
 @csrf_exempt
 @never_cache
-@require_GET
+@_get_only
 def metrics(request: HttpRequest) -> HttpResponse:
     if not (_is_loopback(request) or is_metrics_token(request.META.get("HTTP_AUTHORIZATION"))):
         return _refusal(request, "METRICS_TOKEN")

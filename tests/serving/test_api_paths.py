@@ -47,3 +47,11 @@ def test_other_unknown_paths_keep_djangos_page(client):
     response = client.get("/no-such-page")
     assert response.status_code == 404
     assert not response["Content-Type"].startswith("application/json")
+
+
+def test_a_wrong_method_on_an_api_path_is_a_json_405(client, key):
+    for path in ("/v1/models", "/v1/files/file-x", "/api/v1/engine/stats"):
+        response = client.put(path, HTTP_AUTHORIZATION=f"Bearer {key}")
+        assert response.status_code == 405, path
+        assert response.json()["error"]["code"] == "method_not_allowed", path
+    assert "GET" in client.post("/api/v1/engine/stats")["Allow"]
