@@ -26,10 +26,10 @@ def _get_only(view):
     """Django's require_GET, answering in the OpenAI error shape like the rest of the API."""
     @functools.wraps(view)
     def wrapped(request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        if request.method not in ("GET", "HEAD"):
+        if request.method != "GET":
             error = ApiError(405, f"Method {request.method} not allowed; use GET.", code="method_not_allowed")
             response = JsonResponse(error.body(), status=405)
-            response["Allow"] = "GET, HEAD"
+            response["Allow"] = "GET"
             return response
         return view(request, *args, **kwargs)
     return wrapped

@@ -77,6 +77,7 @@ def test_operator_endpoints_only_read(live: LiveServer, path: str):
     response = requests.post(live.url + path, headers=bearer(live.internal_token), timeout=TIMEOUT_S)
     assert response.status_code == 405
     assert response.headers["Allow"] == "GET"
+    assert response.json()["error"]["code"] == "method_not_allowed"
 
 
 def create_user(live: LiveServer, staff: bool) -> tuple[str, str]:
