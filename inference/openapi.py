@@ -113,6 +113,9 @@ class _Sampling(serializers.Serializer):
     priority = _bounded("priority", help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. "
                                               "Never better than the key's tier.")
     user = serializers.CharField(required=False)
+    prompt_cache_key = serializers.CharField(
+        required=False, min_length=1, max_length=protocol.MAX_PROMPT_CACHE_KEY_CHARS,
+        help_text="OpenAI's cache routing key: accepted and checked; one replica serves every request, so it routes nothing yet.")
 
 
 class ChatCompletionRequest(_Sampling):

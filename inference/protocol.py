@@ -28,6 +28,7 @@ from inference.engine.api import LIMITS, InvalidRequestError, SamplingParams
 from tenants.errors import ApiError
 
 MAX_PROMPTS = 64  # text or token-id prompts of one completion request
+MAX_PROMPT_CACHE_KEY_CHARS = 256  # OpenAI's prompt_cache_key: a routing key, never stored per request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _SAMPLING_FIELDS = (
@@ -36,7 +37,7 @@ _SAMPLING_FIELDS = (
 )
 _COMMON_FIELDS = {
     "model", "stream", "stream_options", "n", "max_tokens", "priority", "user", "logit_bias",
-    "metadata", "store", "service_tier", *_SAMPLING_FIELDS,
+    "metadata", "store", "service_tier", "prompt_cache_key", *_SAMPLING_FIELDS,
 }
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
@@ -286,6 +287,10 @@ def _common(data: dict) -> dict[str, Any]:
             raise bad_request(f"'{name}' must be a string.", name, "invalid_type")
     if data.get("metadata") is not None and not isinstance(data["metadata"], dict):
         raise bad_request("'metadata' must be an object.", "metadata", "invalid_type")
+    key = data.get("prompt_cache_key")
+    if key is not None and not (isinstance(key, str) and 0 < len(key) <= MAX_PROMPT_CACHE_KEY_CHARS):
+        raise bad_request(f"'prompt_cache_key' must be a string of 1 to {MAX_PROMPT_CACHE_KEY_CHARS} characters.",
+                          "prompt_cache_key", "invalid_value")
     return {
         "model": _model(data),
         "n": _int(data, "n", default=1),

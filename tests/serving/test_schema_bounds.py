@@ -163,3 +163,13 @@ def test_request_parsing_imports_neither_torch_nor_a_model():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_prompt_cache_key_is_accepted_within_its_published_length(schemas):
+    # Newer OpenAI SDKs send it; refusing it as an unknown field broke those clients.
+    for name, (parse, body) in REQUESTS.items():
+        field = schemas[name]["properties"]["prompt_cache_key"]
+        assert (field["minLength"], field["maxLength"]) == (1, protocol.MAX_PROMPT_CACHE_KEY_CHARS)
+        parse(body(prompt_cache_key="k" * protocol.MAX_PROMPT_CACHE_KEY_CHARS))
+        for bad in ("", "k" * (protocol.MAX_PROMPT_CACHE_KEY_CHARS + 1), 7):
+            assert refused(parse, body(prompt_cache_key=bad)).param == "prompt_cache_key"
