@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Protocol
@@ -134,9 +135,10 @@ class LLMEngine:
 
         `admission_control=False` skips the lane's queue limits (offline `generate`)."""
         params = params or SamplingParams()
-        if lane not in iter(Lane):
-            raise InvalidRequestError(f"lane must be one of {[int(x) for x in Lane]}", param="priority")
-        lane = Lane(lane)
+        try:
+            lane = Lane(lane)
+        except ValueError:
+            raise InvalidRequestError(f"lane must be one of {[int(x) for x in Lane]}", param="priority") from None
         if admission_control:
             self._admission_control(lane, tenant_id)
         if not isinstance(request_id, str) or not request_id:
@@ -409,12 +411,15 @@ class LLMEngine:
         c = self.counters
         sched = self.scheduler
         now = self.clock()
-        lanes = {lane: LaneStats(
-            waiting=sum(1 for s in sched.waiting if s.lane == lane),
-            running=sum(1 for s in sched.running if s.lane == lane),
-            swapped=sum(1 for s in sched.swapped if s.lane == lane),
-            aged_up=sum(1 for s in sched.waiting if sched.policy.effective_lane(s, now) < s.lane),
-        ) for lane in Lane}
+        # One pass over each queue (the batch lane's may hold thousands): this runs every step.
+        waiting, aged_up = Counter(), Counter()
+        for seq in sched.waiting:
+            waiting[seq.lane] += 1
+            if sched.policy.effective_lane(seq, now) < seq.lane:
+                aged_up[seq.lane] += 1
+        running, swapped = Counter(s.lane for s in sched.running), Counter(s.lane for s in sched.swapped)
+        lanes = {lane: LaneStats(waiting=waiting[lane], running=running[lane], swapped=swapped[lane], aged_up=aged_up[lane])
+                 for lane in Lane}
         return EngineStats(
             lanes=MappingProxyType(lanes),
             running=len(sched.running),

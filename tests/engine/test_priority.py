@@ -627,3 +627,17 @@ PriorityMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_priority_random_interleavings = PriorityMachine.TestCase
+
+
+def test_stats_count_aged_up_requests_in_their_own_lane():
+    """A waiting P2 request that has aged counts in P2's aged_up only, not in every lane's."""
+    clock = ManualClock()
+    engine = fake_engine(clock, max_num_seqs=1, max_num_batched_tokens=64, aging_threshold_s=1.0)
+    engine.add_request("running", [1, 2, 3], params(50), lane=0)
+    engine.step()
+    engine.add_request("batch", [4, 5, 6], params(4), lane=2)
+    clock.advance(1.5)  # the batch request competes as P1 now
+    engine.add_request("chat", [7, 8, 9], params(4), lane=1)  # just arrived: not aged
+    stats = engine.stats()
+    assert [(stats.lane(lane).waiting, stats.lane(lane).aged_up) for lane in (0, 1, 2)] == \
+        [(0, 0), (1, 0), (1, 1)]
