@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
+from inference.engine.errors import ConfigError
+
 # The engine (and torch) are imported when the engine is built, not with this module:
-# the probes and operator views import it, and `manage.py` commands must stay light.
+# the probes and operator views import it, and `manage.py` commands must stay light
+# (`engine.errors` is plain Python).
 if TYPE_CHECKING:
     from inference.engine.async_engine import AsyncEngine
     from inference.engine.config import EngineConfig
@@ -107,8 +110,6 @@ class EngineHost:
             async_engine = AsyncEngine(engine, metrics=EngineMetrics())
             async_engine.start()
         except Exception as exc:  # a bad model path, out of memory...: say so on /readyz and to callers
-            from inference.engine.errors import ConfigError  # plain Python, imports nothing
-
             if isinstance(exc, ConfigError):  # the settings, not the code: the operator's to fix, no traceback
                 log.error("the engine cannot start with these INFERENCE settings: %s", exc)
             else:
