@@ -239,6 +239,11 @@ STREAM_MAX_BUFFERED_BYTES = env.int("STREAM_MAX_BUFFERED_BYTES", default=64 * 10
 # generation is aborted, its KV blocks freed and its tokens billed. 45 s is seed 000's zombie
 # purge, three of its 15 s heartbeats.
 STREAM_STALL_S = env.float("STREAM_STALL_S", default=45.0)
+# A stream's choices pause in the engine (keeping their blocks, computing nothing) once this many
+# tokens per choice wait behind a client that stopped taking them, and resume when it takes them
+# (0: never pause). 64 tokens is ~2 s of a busy CPU batch: a client that reads at all never waits
+# on it, and 16 stalled streams stop costing the other tenants' chats their steps (bench/isolation.py).
+STREAM_PAUSE_AFTER_TOKENS = env.int("STREAM_PAUSE_AFTER_TOKENS", default=64)
 # A WebSocket that does not authenticate (header or first message) within this long is closed.
 WS_AUTH_TIMEOUT_S = env.float("WS_AUTH_TIMEOUT_S", default=10.0)
 

@@ -29,6 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from django.conf import settings
+
 from inference import billing, gate, prompts, streaming
 from inference.billing import Usage
 from inference.protocol import GenerationRequest
@@ -137,7 +139,9 @@ class Generation:
 
     def events(self, idle_s: float | None = None):
         """Batches of (choice, delta), each choice's deltas merged; an empty batch after
-        `idle_s` without output. Ends when every choice has finished."""
+        `idle_s` without output. Ends when every choice has finished. A reader that falls
+        STREAM_PAUSE_AFTER_TOKENS behind pauses its choices in the engine until it catches up."""
+        self.streams.pause_after_tokens = settings.STREAM_PAUSE_AFTER_TOKENS or None
         return self.streams.events(idle_s)
 
     async def collect(self) -> None:

@@ -292,6 +292,9 @@ class EngineStatsDoc(_Documented):
                 "swap_blocks_used": serializers.IntegerField(),
                 "requests_running": serializers.IntegerField(),
                 "requests_swapped": serializers.IntegerField(),
+                "requests_paused": serializers.IntegerField(
+                    help_text="Generations paused in the engine because their clients stopped taking their tokens "
+                              "(STREAM_PAUSE_AFTER_TOKENS); they keep their KV blocks and compute nothing."),
                 "requests_waiting": serializers.DictField(child=serializers.IntegerField()),
                 "preemptions": serializers.IntegerField(),
                 "streams": inline_serializer("StreamBuffers", {

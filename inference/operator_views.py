@@ -74,6 +74,7 @@ def engine_stats_payload() -> dict:
         "swap_blocks_used": stats.swap_blocks_used,
         "requests_running": stats.running,
         "requests_swapped": stats.swapped,
+        "requests_paused": stats.paused,
         "requests_waiting": {lane: counts["waiting"] for lane, counts in lanes.items()},
         "lanes": lanes,
         "requests_in_flight": stats.in_flight,

@@ -91,6 +91,11 @@ class Streams:
     _pumps: list[asyncio.Task] = field(default_factory=list, repr=False)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
     _open: int = 0  # choices not finished yet
+    # Tokens read from the engine that the reader has not taken; past pause_after_tokens per open
+    # choice the choices are paused in the engine until it takes them (None: never pause).
+    pause_after_tokens: int | None = None
+    _unread_tokens: int = 0
+    _paused: bool = False
 
     async def submit(self, engine, request: GenerationRequest, prompt_token_ids: list[list[int]], max_tokens: int,
                      lane: int, tenant: Tenant) -> None:
@@ -117,6 +122,10 @@ class Streams:
         try:
             async for out in choice.stream:
                 self._queue.put_nowait((choice, out))
+                self._unread_tokens += len(out.new_token_ids)
+                if (self.pause_after_tokens is not None and not self._paused
+                        and self._unread_tokens > self.pause_after_tokens * max(1, self._open)):
+                    self._hold(True)
         except Exception as exc:  # never expected; end the choice rather than hang the reader
             log.exception("generation %s: reading choice %d failed", self.gen_id, choice.index)
             self._queue.put_nowait((choice, RequestOutput(choice.stream.request_id, (), "", True, "error", 0, 0, 0,
@@ -138,7 +147,17 @@ class Streams:
             pending = [first]
             while not self._queue.empty():
                 pending.append(self._queue.get_nowait())
+            self._unread_tokens = 0
+            if self._paused:
+                self._hold(False)
             yield self._coalesce(pending)
+
+    def _hold(self, paused: bool) -> None:
+        """Pause every choice in the engine while the reader is behind, or resume them: a client
+        that stops reading then holds its blocks but takes no compute from anyone."""
+        self._paused = paused
+        for choice in self.choices:
+            choice.stream.pause(paused)
 
     def _coalesce(self, pending: list[tuple[Choice, RequestOutput]]) -> list[tuple[Choice, RequestOutput]]:
         merged: dict[int, tuple[Choice, RequestOutput]] = {}

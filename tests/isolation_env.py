@@ -106,6 +106,9 @@ ENV: dict[str, str] = {
     # (128 KiB by default on Linux) before the server counts a byte.
     "STREAM_MAX_BUFFERED_BYTES": str(8 * 1024),
     "STREAM_STALL_S": "3",
+    # ... and its choices pause in the engine once 8 tokens each wait behind a client that has
+    # stopped taking them, so a stalled stream stops decoding long before it is cut.
+    "STREAM_PAUSE_AFTER_TOKENS": "8",
     # tests/security/test_file_upload_bounds.py: a refused upload's connection is seen held open
     # well inside this
     "FILES_REFUSAL_LINGER_S": "2",

@@ -197,6 +197,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     swapped: int = 0
+    paused: int = 0  # held out of the steps while their consumers catch up (in any queue)
     blocks_total: int = 0
     blocks_free: int = 0  # free to allocate, evictable cached blocks included
     blocks_used: int = 0

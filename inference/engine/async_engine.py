@@ -105,6 +105,12 @@ class _Abort:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class _Pause:
+    state: _RequestState
+    paused: bool
+
+
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     if len(outputs) == 1:
         return outputs[0]
@@ -202,6 +208,12 @@ class RequestStream:
         st.pending.clear()
         self._final = done
         return done
+
+    def pause(self, paused: bool = True) -> None:
+        """Hold the request out of the engine's steps while its consumer catches up (`paused`),
+        or let it run again. It keeps its blocks; a finished or closed request ignores this."""
+        if not self._closed:
+            self._owner._post(_Pause(self._state, paused))
 
     async def aclose(self) -> None:
         self._close()
@@ -390,6 +402,10 @@ class AsyncEngine:
             self._flush()
 
     def _apply(self, command) -> None:
+        if isinstance(command, _Pause):
+            if self._states.get(command.state.request_id) is command.state:
+                self.engine.pause(command.state.request_id, command.paused)
+            return
         if isinstance(command, _Abort):
             state = self._states.get(command.request_id)
             if state is not None and (command.state is None or command.state is state):

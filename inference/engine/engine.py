@@ -277,6 +277,15 @@ class LLMEngine:
         self.counters.aborted_requests += 1
         return self._output(seq, (), "", finished=True)
 
+    def pause(self, request_id: str, paused: bool = True) -> bool:
+        """Hold a request out of the steps (`paused`) or let it run again; it keeps its blocks
+        and its place. False if the request is unknown or done."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        seq.paused = paused
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -425,6 +434,7 @@ class LLMEngine:
             running=len(sched.running),
             waiting=len(sched.waiting),
             swapped=len(sched.swapped),
+            paused=sum(1 for seq in self.requests.values() if seq.paused),
             blocks_total=bm.num_blocks,
             blocks_free=bm.num_free_blocks,
             blocks_used=bm.num_used_blocks,

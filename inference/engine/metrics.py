@@ -10,6 +10,7 @@ endpoint serves.
 | `llm_engine_requests_waiting` | gauge | lane | sequences queued for admission |
 | `llm_engine_requests_running` | gauge | lane | sequences in the running batch |
 | `llm_engine_requests_swapped` | gauge | lane | sequences swapped out to host memory |
+| `llm_engine_requests_paused` | gauge | | sequences held out of the steps until their clients take their tokens |
 | `llm_engine_kv_blocks_total` | gauge | | device KV-cache blocks |
 | `llm_engine_kv_blocks_free` | gauge | | blocks free to allocate (evictable cached blocks included) |
 | `llm_engine_kv_blocks_cached` | gauge | | blocks holding a reusable prefix |
@@ -45,6 +46,7 @@ class EngineMetrics:
         self.waiting = Gauge("llm_engine_requests_waiting", "Sequences queued for admission", ["lane"], registry=r)
         self.running = Gauge("llm_engine_requests_running", "Sequences in the running batch", ["lane"], registry=r)
         self.swapped = Gauge("llm_engine_requests_swapped", "Sequences swapped out to host memory", ["lane"], registry=r)
+        self.paused = Gauge("llm_engine_requests_paused", "Sequences paused until their clients take their tokens", registry=r)
         self.blocks_total = Gauge("llm_engine_kv_blocks_total", "Device KV-cache blocks", registry=r)
         self.blocks_free = Gauge("llm_engine_kv_blocks_free", "KV-cache blocks free to allocate", registry=r)
         self.blocks_cached = Gauge("llm_engine_kv_blocks_cached", "KV-cache blocks holding a reusable prefix", registry=r)
@@ -72,6 +74,7 @@ class EngineMetrics:
             self.waiting.labels(lane=lane.label).set(counts.waiting)
             self.running.labels(lane=lane.label).set(counts.running)
             self.swapped.labels(lane=lane.label).set(counts.swapped)
+        self.paused.set(stats.paused)
         self.blocks_total.set(stats.blocks_total)
         self.blocks_free.set(stats.blocks_free)
         self.blocks_cached.set(stats.blocks_cached)

@@ -19,6 +19,10 @@ first, who is the victim) is a `Policy` that only orders sequences. A step:
    while the budgets and the pool allow; the first that does not fit stops the rest,
    so nobody overtakes the head of the queue.
 
+A paused sequence (its consumer stopped taking its output) is skipped everywhere: it
+keeps its blocks and its place but computes nothing, and it is the first victim when a
+running sequence needs a block, since it loses nothing by waiting.
+
 Victims from lane P2 are swapped to host memory when the swap pool has room (they
 resume exactly where they stopped); others are recomputed (their blocks are freed
 and their tokens prefilled again, mostly from the prefix cache). Both keep their
@@ -255,7 +259,8 @@ class Scheduler:
         entered = [b for s in step.scheduled for b in bm.commit_blocks(s.seq, s.start + s.num_new_tokens)]
         hit_tokens = 0
         if not step.starved:  # running work is short of blocks: bringing more in would thrash
-            candidates = sorted(self.swapped + self.waiting, key=lambda s: policy.waiting_key(s, now))
+            candidates = sorted((s for s in self.swapped + self.waiting if not s.paused),
+                                key=lambda s: policy.waiting_key(s, now))
             for seq in candidates:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
@@ -301,9 +306,10 @@ class Scheduler:
         the crowded tenants among their owners: only for a request that has just arrived and
         gets in now (otherwise sitting out would only slow the batch down)."""
         nobody = None, frozenset(), frozenset()
-        if not self.waiting or not self.running:
+        queued = [s for s in self.swapped + self.waiting if not s.paused]
+        if not queued or not self.running:
             return nobody
-        head = min(self.swapped + self.waiting, key=lambda s: self.policy.waiting_key(s, now))
+        head = min(queued, key=lambda s: self.policy.waiting_key(s, now))
         if (head.status is not SequenceStatus.WAITING or head.num_preemptions or head is self._sat_out_in_vain
                 or len(self.running) >= self.config.max_num_seqs):
             return nobody
@@ -341,11 +347,13 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, seq.num_computed_tokens, step)
-            if seq in sitting_out or num_new == 0:
+            if seq.paused or seq in sitting_out or num_new == 0:
                 i += 1
                 continue
             while not bm.allocate(seq, num_new):
-                victim = self.running[-1]  # ranked worst by the policy, not yet scheduled
+                victim = self._victim(seq)
+                if self.running.index(victim) < i:
+                    i -= 1  # a paused one already passed over: seq moves up a place
                 self._preempt(victim, step)
                 step.starved = True
                 if victim is seq:
@@ -353,6 +361,11 @@ class Scheduler:
             else:
                 self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, num_new))
                 i += 1
+
+    def _victim(self, needy: Sequence) -> Sequence:
+        """Who gives up its blocks for `needy`: the worst paused sequence (it waits for its
+        consumer anyway), else the worst running one, which is not scheduled yet this step."""
+        return next((s for s in reversed(self.running) if s.paused and s is not needy), self.running[-1])
 
     def _chunk(self, seq: Sequence, start: int, step: _Step) -> int:
         """Tokens `seq` computes this step from `start`: its rest, within the step's budget
@@ -373,7 +386,10 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         policy, bm = self.policy, self.block_manager
-        head = min(self.waiting, key=lambda s: policy.waiting_key(s, now))
+        waiting = [s for s in self.waiting if not s.paused]
+        if not waiting:
+            return
+        head = min(waiting, key=lambda s: policy.waiting_key(s, now))
         lane = policy.effective_lane(head, now)
         if policy.effective_lane(self.running[-1], now) <= lane:
             return  # nobody running is worse off: skip hashing the head's prompt (the common case)

@@ -241,6 +241,44 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_every_block(serve):
     run(main())
 
 
+def test_a_paused_stream_generates_nothing_until_resumed_then_finishes_token_identical(serve):
+    prompt = [2, 7, 1, 8, 2, 8]
+    (expected,) = baseline([prompt], greedy(60))
+    ae = serve()
+
+    async def main():
+        stream = await ae.submit("p", prompt, greedy(60))
+        first = await stream.__anext__()
+        stream.pause()
+        await until(lambda: ae.stats().paused == 1, what="the request paused")
+        generated = ae.engine.stats().generated_tokens
+        await asyncio.sleep(0.2)  # dozens of the tiny model's steps
+        assert ae.engine.stats().generated_tokens == generated, "a paused request kept decoding"
+        assert ae.stats().running == 1  # it keeps its place and its blocks
+        stream.pause(False)
+        tokens, outputs = await collect(stream)
+        assert list(first.new_token_ids) + tokens == expected
+        assert outputs[-1].finish_reason == "length" and ae.stats().paused == 0
+        await until(lambda: idle(ae), what="every block free")
+
+    run(main())
+
+
+def test_aborting_a_paused_stream_frees_its_blocks(serve):
+    ae = serve()
+
+    async def main():
+        stream = await ae.submit("q", [5, 5, 5], greedy(200))
+        await stream.__anext__()
+        stream.pause()
+        await until(lambda: ae.stats().paused == 1, what="the request paused")
+        await stream.aclose()
+        await until(lambda: idle(ae), what="every block free")
+        assert ae.stats().paused == 0 and ae.engine.stats().aborted_requests == 1
+
+    run(main())
+
+
 def test_abort_of_an_unknown_or_finished_request_is_harmless(serve):
     ae = serve()
 

@@ -211,3 +211,75 @@ EngineMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_engine_random_interleavings = EngineMachine.TestCase
+
+
+# -- paused requests (a stream whose client stopped taking its tokens) --------------------------
+
+
+def scheduled_ids(engine) -> list[str]:
+    return [s.seq.request_id for s in engine.runner.schedules[-1].scheduled]
+
+
+def test_a_paused_request_computes_nothing_keeps_its_blocks_and_resumes_where_it_stopped():
+    engine = fake_engine(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    engine.add_request("stalled", [1, 2, 3], params(12))
+    engine.add_request("other", [4, 5, 6], params(12))
+    outputs: dict[str, list] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+
+    for _ in range(3):
+        step()
+    assert engine.pause("stalled")
+    blocks = list(engine.requests["stalled"].block_table)
+    computed = engine.requests["stalled"].num_computed_tokens
+    for _ in range(4):
+        step()
+        assert scheduled_ids(engine) == ["other"]
+    held = engine.requests["stalled"]
+    assert held.block_table == blocks and held.num_computed_tokens == computed  # nothing freed, nothing run
+    assert engine.stats().paused == 1 and engine.stats().running == 2
+
+    assert engine.pause("stalled", False)
+    rest = run_to_completion(engine)
+    for rid, prompt in (("stalled", [1, 2, 3]), ("other", [4, 5, 6])):
+        assert tokens_of(outputs.get(rid, []) + rest[rid]) == expected_output(prompt, 12)
+    assert engine.stats().paused == 0 and engine.stats().blocks_free == 64
+    assert not engine.pause("stalled")  # finished: nothing to pause
+
+
+def test_only_paused_requests_left_make_empty_steps_not_a_busy_batch():
+    engine = fake_engine(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    engine.add_request("a", [1, 2, 3], params(8))
+    engine.step()
+    engine.pause("a")
+    runs = len(engine.runner.schedules)
+    assert engine.step() == [] and engine.step() == []
+    assert len(engine.runner.schedules) == runs  # the model is not even called
+    assert engine.has_unfinished()  # still there, holding its place
+
+
+def test_a_paused_request_is_the_first_to_give_up_its_blocks():
+    # 8 blocks of 4: "old" (arrived first) is paused holding 3; "new" needs more than the free ones.
+    engine = fake_engine(num_blocks=8, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    engine.add_request("old", list(range(11)), params(20), arrival_time=0.0)
+    outputs = {"old": engine.step()}
+    engine.pause("old")
+    engine.add_request("new", [9] * 10, params(20), arrival_time=1.0)
+    while engine.requests.get("new") is not None and engine.requests["new"].num_preemptions == 0 \
+            and engine.requests["old"].num_preemptions == 0:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    # FCFS would preempt the latest arrival ("new"); the paused one goes instead.
+    assert engine.requests["old"].num_preemptions == 1 and engine.requests["new"].num_preemptions == 0
+    assert engine.requests["old"].paused  # preempted, still paused: it is not brought back in
+    for _ in range(30):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert "old" in engine.requests and engine.requests["old"].status is SequenceStatus.WAITING
+    engine.pause("old", False)
+    rest = run_to_completion(engine)
+    for rid, prompt in (("old", list(range(11))), ("new", [9] * 10)):
+        assert tokens_of(outputs.get(rid, []) + rest.get(rid, [])) == expected_output(prompt, 20)

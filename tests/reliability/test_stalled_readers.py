@@ -147,6 +147,30 @@ def test_a_stalled_sse_client_is_disconnected_its_generation_aborted_and_billed(
     assert "stream /v1/chat/completions:" in warning and "bytes unsent" in warning
 
 
+# What a stalled stream can generate before it pauses: the tokens whose events fill the cap and
+# the client's kernel buffer (~1.9 KB each), STREAM_PAUSE_AFTER_TOKENS = 8 more waiting behind
+# them, and the few steps the pause takes to reach the engine thread.
+PAUSED_WITHIN = (CAP + 2 * 2304) // 1900 + 1 + 8 + 4
+
+
+def test_a_stalled_stream_pauses_in_the_engine_and_takes_no_more_steps(hostile_live: LiveServer):
+    live, before = hostile_live, usage_rows(hostile_live)
+    sock = client_socket(live)
+    sock.sendall(request_bytes(live.url, OPENAI_CHAT, live.keys[TENANT], chat_body(LONG, stream=True, **LOGPROBS)))
+    assert read_head(sock).status == 200
+    paused = wait_until(live, lambda s: s["requests_paused"] == 1, CUT_DEADLINE_S)
+    assert paused["requests_paused"] == 1, f"the stalled stream never paused: {paused}"
+    # Paused, it holds its blocks but the engine makes no token for it: nothing else runs here.
+    assert paused["requests_running"] == 1 and paused["kv_blocks_used"] > 0
+    time.sleep(1.0)
+    assert live.stats()["generated_tokens"] == paused["generated_tokens"], "a paused stream kept decoding"
+
+    [row] = assert_cut_and_billed(live, sock, before)
+    # Billed for what it generated, which stopped at the pause: not STREAM_STALL_S of decoding.
+    assert row["completion_tokens"] <= PAUSED_WITHIN, row
+    assert live.stats()["requests_paused"] == 0
+
+
 def ws_handshake(live: LiveServer) -> bytes:
     host, port = host_port(live.url)
     key = base64.b64encode(os.urandom(16)).decode()
