@@ -422,8 +422,10 @@ class LLMEngine:
         now = self.clock()
         # One pass over each queue (the batch lane's may hold thousands): this runs every step.
         waiting, aged_up = Counter(), Counter()
+        paused = sum(s.paused for s in sched.running) + sum(s.paused for s in sched.swapped)
         for seq in sched.waiting:
             waiting[seq.lane] += 1
+            paused += seq.paused
             if sched.policy.effective_lane(seq, now) < seq.lane:
                 aged_up[seq.lane] += 1
         running, swapped = Counter(s.lane for s in sched.running), Counter(s.lane for s in sched.swapped)
@@ -434,7 +436,7 @@ class LLMEngine:
             running=len(sched.running),
             waiting=len(sched.waiting),
             swapped=len(sched.swapped),
-            paused=sum(1 for seq in self.requests.values() if seq.paused),
+            paused=paused,
             blocks_total=bm.num_blocks,
             blocks_free=bm.num_free_blocks,
             blocks_used=bm.num_used_blocks,

@@ -306,10 +306,12 @@ class Scheduler:
         the crowded tenants among their owners: only for a request that has just arrived and
         gets in now (otherwise sitting out would only slow the batch down)."""
         nobody = None, frozenset(), frozenset()
-        queued = [s for s in self.swapped + self.waiting if not s.paused]
-        if not queued or not self.running:
+        if not self.waiting or not self.running:
             return nobody
-        head = min(queued, key=lambda s: self.policy.waiting_key(s, now))
+        head = min((s for s in self.swapped + self.waiting if not s.paused),
+                   key=lambda s: self.policy.waiting_key(s, now), default=None)
+        if head is None:
+            return nobody
         if (head.status is not SequenceStatus.WAITING or head.num_preemptions or head is self._sat_out_in_vain
                 or len(self.running) >= self.config.max_num_seqs):
             return nobody
@@ -386,10 +388,9 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         policy, bm = self.policy, self.block_manager
-        waiting = [s for s in self.waiting if not s.paused]
-        if not waiting:
+        head = min((s for s in self.waiting if not s.paused), key=lambda s: policy.waiting_key(s, now), default=None)
+        if head is None:
             return
-        head = min(waiting, key=lambda s: policy.waiting_key(s, now))
         lane = policy.effective_lane(head, now)
         if policy.effective_lane(self.running[-1], now) <= lane:
             return  # nobody running is worse off: skip hashing the head's prompt (the common case)
