@@ -3,6 +3,8 @@ from functools import lru_cache
 
 import redis
 from django.conf import settings
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 @lru_cache(maxsize=4)
@@ -15,3 +17,15 @@ def _client_for(url: str) -> redis.Redis:
 def client() -> redis.Redis:
     """The client for the current `REDIS_URL` (read per call, so tests can point it elsewhere)."""
     return _client_for(settings.REDIS_URL)
+
+
+@lru_cache(maxsize=4)
+def _fast_client_for(url: str, timeout_s: float) -> redis.Redis:
+    # No retries: redis-py's default (3, with backoff) would turn a 0.1 s deadline into seconds.
+    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                retry=Retry(NoBackoff(), 0), health_check_interval=30)
+
+
+def admission_client() -> redis.Redis:
+    """The client admission asks under a short deadline (LIMITS_REDIS_TIMEOUT_S)."""
+    return _fast_client_for(settings.REDIS_URL, settings.LIMITS_REDIS_TIMEOUT_S)

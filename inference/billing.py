@@ -136,9 +136,11 @@ async def wait_written(written: concurrent.futures.Future) -> None:
 
 
 async def settle_reservation(gen_id: str, tenant: Tenant, taken: quota.TokenAdmission, used: int) -> None:
-    """Settle tokens/min and the monthly budget; if Redis refuses, keep trying in the background."""
+    """Settle tokens/min and the monthly budget; if Redis refuses, keep trying in the background
+    (a stalled Redis fails the first try within its admission deadline, not the response)."""
+    done: set[str] = set()
     try:
-        await asyncio.to_thread(quota.settle, tenant, taken, used)
+        await asyncio.to_thread(quota.settle, tenant, taken, used, done)
         return
     except Exception as exc:
         log.warning("generation %s: could not settle its reservations (%s); retrying", gen_id, exc)
@@ -147,7 +149,7 @@ async def settle_reservation(gen_id: str, tenant: Tenant, taken: quota.TokenAdmi
         for attempt in range(SETTLE_RETRIES):
             await asyncio.sleep(SETTLE_RETRY_S * (attempt + 1))
             try:
-                await asyncio.to_thread(quota.settle, tenant, taken, used)
+                await asyncio.to_thread(quota.settle, tenant, taken, used, done)
                 return
             except Exception as exc:
                 last = exc

@@ -47,6 +47,17 @@ def check_request_bounds(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             for name, value, ceiling in zip(names, stops, ceilings) if value > ceiling]
 
 
+@register()
+def check_limits_fallback(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """tenants.fallback: a deadline of 0 would send every admission to the local limits."""
+    problems = []
+    if not settings.LIMITS_REDIS_TIMEOUT_S > 0:
+        problems.append(Error("LIMITS_REDIS_TIMEOUT_S must be positive.", id="inference.E008"))
+    if not 0 <= settings.LIMITS_FALLBACK_SHARE <= 1:
+        problems.append(Error("LIMITS_FALLBACK_SHARE must be between 0 and 1.", id="inference.E008"))
+    return problems
+
+
 @register(Tags.security, deploy=True)
 def check_internal_token(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
     return [

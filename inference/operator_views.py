@@ -17,6 +17,7 @@ from django.views.decorators.csrf import csrf_exempt
 from config.daphne_hooks import stream_buffers
 from inference.host import EngineUnavailable, host
 from inference.service_tokens import is_metrics_token, is_operator_token
+from tenants import quota
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
@@ -118,6 +119,11 @@ def metrics(request: HttpRequest) -> HttpResponse:
         ready = 1
     except EngineUnavailable:
         body, ready = b"", 0
+    breaker = quota.limiter().breaker
     body += (b"# HELP llm_engine_ready Whether this process's engine serves requests\n"
-             b"# TYPE llm_engine_ready gauge\n" + f"llm_engine_ready {ready}\n".encode())
+             b"# TYPE llm_engine_ready gauge\n" + f"llm_engine_ready {ready}\n".encode()
+             + b"# HELP llm_limits_local Whether this process decides limits alone (Redis not answering)\n"
+             b"# TYPE llm_limits_local gauge\n" + f"llm_limits_local {int(breaker.open)}\n".encode()
+             + b"# HELP llm_limits_fallbacks_total Times this process began deciding limits alone\n"
+             b"# TYPE llm_limits_fallbacks_total counter\n" + f"llm_limits_fallbacks_total {breaker.trips}\n".encode())
     return HttpResponse(body, content_type="text/plain; version=0.0.4; charset=utf-8")

@@ -167,6 +167,21 @@ redis.call('PEXPIRE', KEYS[3], keys_ttl)
 return {1, used, reserved + tokens}
 """
 
+# A hold taken while Redis was away, put back unchecked (its generation runs). KEYS:
+# reservation expiries, amounts. ARGV: id, tokens, ttl_ms. Keys keep a longer TTL they have.
+_BUDGET_RESTORE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local ttl = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+for i = 1, 2 do
+  local left = redis.call('PTTL', KEYS[i])
+  if left >= 0 and left < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
+end
+return 1
+"""
+
 # KEYS: reservation expiries. ARGV: id, ttl_ms. Extends a live reservation only.
 _BUDGET_RENEW = """
 local t = redis.call('TIME')
@@ -206,6 +221,7 @@ class Decision:
 
     allowed: bool
     buckets: tuple[BucketState, ...]
+    local: bool = False  # decided by this process's stand-in while Redis was away (tenants.fallback)
 
     def bucket(self, name: str) -> BucketState | None:
         return next((b for b in self.buckets if b.name == name), None)
@@ -278,6 +294,7 @@ class Limiter:
         self._counter_add = client.register_script(_COUNTER_ADD)
         self._budget_reserve = client.register_script(_BUDGET_RESERVE)
         self._budget_renew = client.register_script(_BUDGET_RENEW)
+        self._budget_restore = client.register_script(_BUDGET_RESTORE)
         self._budget_settle = client.register_script(_BUDGET_SETTLE)
         self._refund = client.register_script(_TOKEN_REFUND)
 
@@ -315,12 +332,12 @@ class Limiter:
             self._refund(keys=[self.key(scope, name)], args=[_ms(period_s), limit, units])
 
     def acquire_lease(self, scope: str, name: str, limit: int, ttl_s: float,
-                      count: int = 1) -> tuple[Lease | None, Decision]:
+                      count: int = 1, lease_id: str | None = None) -> tuple[Lease | None, Decision]:
         """Take `count` of `limit` slots for `ttl_s`, all or none; the Lease is None when they
         do not fit (retry_after_s is math.inf when `count` exceeds the limit itself)."""
         if count < 1:
             raise ValueError(f"a lease takes at least one slot, not {count}")
-        lease = Lease(key=self.key(scope, name), lease_id=uuid.uuid4().hex, ttl_s=ttl_s, count=count)
+        lease = Lease(key=self.key(scope, name), lease_id=lease_id or uuid.uuid4().hex, ttl_s=ttl_s, count=count)
         admitted, held, retry_ms = self._lease_acquire(keys=[lease.key], args=[limit, _ms(ttl_s), lease.lease_id, count])
         state = BucketState(
             name=name,
@@ -363,15 +380,20 @@ class Limiter:
         return [self.key(scope, month), self.key(scope, f"{month}:reserved_until"), self.key(scope, f"{month}:reserved")]
 
     def reserve_budget(self, scope: str, month: str, budget: int, tokens: int, ttl_s: float,
-                       keys_ttl_s: float) -> BudgetState:
+                       keys_ttl_s: float, reservation_id: str | None = None) -> BudgetState:
         """Hold `tokens` against `budget` while a generation runs: refused once the settled
         total reaches the budget, or while reservations in flight cover what is left."""
-        reservation = Reservation(scope, month, uuid.uuid4().hex, tokens, ttl_s)
+        reservation = Reservation(scope, month, reservation_id or uuid.uuid4().hex, tokens, ttl_s)
         status, used, reserved = self._budget_reserve(
             keys=self._budget_keys(scope, month),
             args=[budget, tokens, reservation.reservation_id, _ms(ttl_s), _ms(keys_ttl_s)])
         status = _BUDGET_STATUS[int(status)]
         return BudgetState(status, int(used), int(reserved), reservation if status == "reserved" else None)
+
+    def restore_reservation(self, reservation: Reservation) -> None:
+        """Put a hold taken while Redis was away into Redis, unchecked: its generation runs."""
+        self._budget_restore(keys=self._budget_keys(reservation.scope, reservation.month)[1:],
+                             args=[reservation.reservation_id, reservation.tokens, _ms(reservation.ttl_s)])
 
     def renew_reservation(self, reservation: Reservation) -> bool:
         keys = self._budget_keys(reservation.scope, reservation.month)

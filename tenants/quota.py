@@ -4,11 +4,9 @@ Every function here either returns the admitting decision or raises an `ApiError
 names the limit and when to retry. The tier is read from the tenant row the request
 already loaded, so a tier change takes effect on the next request.
 """
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
-from functools import lru_cache
-
-import redis
 
 from django.conf import settings
 from django.db.models import F, Sum
@@ -16,19 +14,34 @@ from django.utils import timezone
 
 from config import redis as shared_redis
 from tenants import errors
+from tenants.fallback import FallbackLimiter
 from tenants.limits import BucketState, Decision, Lease, Limiter, Reservation
 from tenants.models import ApiKey, QuotaTier, Tenant, UsageRecord
 
 MINUTE_S = 60.0
 
 
-def limiter() -> Limiter:
-    return _limiter_for(shared_redis.client())
+# One per Redis URL, deadline and share (tests point REDIS_URL elsewhere); a handful at most.
+_limiters: dict[tuple, FallbackLimiter] = {}
+_limiters_lock = threading.Lock()
 
 
-@lru_cache(maxsize=4)
-def _limiter_for(client: redis.Redis) -> Limiter:
-    return Limiter(client)
+def limiter() -> FallbackLimiter:
+    """Limits in Redis, decided by this process alone while Redis does not answer."""
+    at = (settings.REDIS_URL, settings.LIMITS_REDIS_TIMEOUT_S, settings.LIMITS_FALLBACK_SHARE)
+    with _limiters_lock:
+        found = _limiters.get(at)
+        if found is None:
+            found = _limiters[at] = FallbackLimiter(
+                Limiter(shared_redis.admission_client()), Limiter(shared_redis.client()), settings.LIMITS_FALLBACK_SHARE)
+        return found
+
+
+def forget_local_limits() -> None:
+    """Drop what every limiter of this process counted on its own (tests: between cases)."""
+    with _limiters_lock:
+        for found in _limiters.values():
+            found.forget()
 
 
 def _scope(tenant: Tenant) -> str:
@@ -127,16 +140,24 @@ def _check_max_tokens(tier: QuotaTier, max_tokens: int) -> None:
         )
 
 
-def settle_tokens(tenant: Tenant, reserved: int, used: int) -> None:
+def settle_tokens(tenant: Tenant, reserved: int, used: int, local: bool = False) -> None:
     """Give back the part of a tokens/min reservation a finished request did not use."""
     if reserved > used:
-        limiter().refund(_scope(tenant), "tokens", tenant.tier.tokens_per_minute, MINUTE_S, reserved - used)
+        limiter().refund(_scope(tenant), "tokens", tenant.tier.tokens_per_minute, MINUTE_S, reserved - used,
+                         local=local)
 
 
-def settle(tenant: Tenant, admission: TokenAdmission, used: int) -> None:
-    """A generation ended having used `used` tokens: refund tokens/min, settle the budget."""
-    settle_tokens(tenant, admission.reserved, used)
-    settle_budget(tenant, admission.budget, used)
+def settle(tenant: Tenant, admission: TokenAdmission, used: int, done: set[str] | None = None) -> None:
+    """A generation ended having used `used` tokens: refund tokens/min, settle the budget.
+    `done` carries what an earlier attempt settled, so a retry does neither part twice."""
+    done = set() if done is None else done
+    if "tokens" not in done:
+        local = admission.decision is not None and admission.decision.local
+        settle_tokens(tenant, admission.reserved, used, local=local)
+        done.add("tokens")
+    if "budget" not in done:
+        settle_budget(tenant, admission.budget, used)
+        done.add("budget")
 
 
 def open_stream(tenant: Tenant, ttl_s: float | None = None, count: int = 1, param: str = "n") -> Lease:

@@ -11,6 +11,7 @@ is imported before any test module, so TRITON_INTERPRET is set here.
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,6 +98,15 @@ def _no_default_redis() -> Iterator[None]:
 
     with override_settings(REDIS_URL=UNREACHABLE_REDIS_URL):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_local_limits_between_tests() -> Iterator[None]:
+    """What a limiter counted on its own while Redis was away (tenants.fallback) belongs to one test."""
+    yield
+    quota = sys.modules.get("tenants.quota")
+    if quota is not None:
+        quota.forget_local_limits()
 
 
 @pytest.fixture

@@ -73,6 +73,8 @@ TENANTS: dict[str, str] = {
     "calm-b": "hostile-p1",
     "calm-c": "hostile-p1",
     "calm-d": "hostile-p1",
+    # ... and one that makes no generation before Redis stalls
+    "stranger": "hostile-p1",
     # tests/security/test_prefix_cache_isolation.py: a pair on a default tier, a pair on a sharing one
     "cache-a": "hostile-p1",
     "cache-b": "hostile-p1",

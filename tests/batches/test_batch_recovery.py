@@ -121,8 +121,10 @@ def test_redis_restarted_empty_mid_batch_the_sweep_resends_from_the_database(sta
 
     stack.kill_redis()
     try:
-        status, headers = _get_status(f"{stack.server.url}/v1/batches/{batch.id}", stack.server.keys[TENANT])
-        assert status == 503 and int(headers["Retry-After"]) >= 1
+        # The tenant still reads its batch: requests/min is decided by the web process alone
+        # while Redis is away (tenants.fallback), and the batch is in the database.
+        status, _ = _get_status(f"{stack.server.url}/v1/batches/{batch.id}", stack.server.keys[TENANT])
+        assert status == 200
     finally:
         stack.start_redis()  # empty: every message that was queued is gone
 

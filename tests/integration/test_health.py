@@ -20,14 +20,18 @@ def test_readyz_is_not_ready_until_the_engine_serves(client, redis):
     assert response.status_code == 503
     assert response.json() == {
         "status": "not ready",
-        "checks": {"database": "ok", "redis": "ok", "engine": "not started"},
+        "checks": {"database": "ok", "redis": "ok", "limits": "redis", "engine": "not started"},
     }
 
 
-def test_readyz_is_503_while_redis_is_unreachable(client):
+def test_readyz_says_limits_are_local_while_redis_is_unreachable(client, settings):
     response = client.get("/readyz")  # no `redis` fixture: settings point at a closed port
-    assert response.status_code == 503
     assert response.json()["checks"]["redis"] == "unavailable"
+    assert response.json()["checks"]["limits"] == "local"  # ready with an engine (tests/reliability)
+    settings.LIMITS_FALLBACK_SHARE = 0
+    response = client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["checks"]["limits"] == "unavailable"
 
 
 def test_models_lists_the_configured_model_in_the_openai_shape(client, redis, settings):

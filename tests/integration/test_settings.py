@@ -47,6 +47,14 @@ def test_a_bad_kernels_setting_fails_the_system_checks(settings):
         call_command("check")
 
 
+@pytest.mark.parametrize("name, value", [("LIMITS_REDIS_TIMEOUT_S", 0), ("LIMITS_FALLBACK_SHARE", 1.5),
+                                         ("LIMITS_FALLBACK_SHARE", -0.1)])
+def test_a_limits_fallback_setting_out_of_range_fails_the_system_checks(settings, name, value):
+    setattr(settings, name, value)
+    with pytest.raises(SystemCheckError, match=name):
+        call_command("check")
+
+
 @pytest.mark.parametrize("key, value, says", [("KERNELS", "cuda-magic", "kernels must be one of"),
                                               ("DTYPE", "int8", "dtype must be auto or one of")])
 def test_a_config_error_fails_the_engine_start_for_the_operator_and_is_a_503_to_tenants(settings, caplog, key, value,

@@ -64,15 +64,18 @@ def test_a_key_may_hold_only_so_many_sockets(hostile_live: LiveServer):
     assert served["type"] == "done", served
 
 
-def test_a_redis_stall_during_one_start_fails_that_start_only(hostile_live: LiveServer):
+def test_a_redis_stall_during_one_start_cuts_nothing_and_the_start_is_served(hostile_live: LiveServer):
+    """Issue 24 item 10: a Redis stall during one `start` closed the whole socket (1011). The
+    start's admission now misses Redis's deadline and this process decides it alone
+    (tenants.fallback): it knows the tenant's budget from the sibling's reservation."""
     client = redis.Redis.from_url(hostile_live.redis_url)
 
     async def scenario():
         async with connect(ws_url(hostile_live), additional_headers=bearer(hostile_live.keys["ws-stall"])) as ws:
             await ws.send(start("sibling", 120))
             await first_token(ws, "sibling")
-            # Writes wait longer than the Redis client's timeouts and retries (2 s, 3 retries) and
-            # the admission deadline (ADMISSION_TIMEOUT_S, 4 s here): the start's admission fails.
+            # Writes wait longer than the admission deadline (ADMISSION_TIMEOUT_S, 4 s here): had
+            # the start waited on Redis, it would fail.
             client.execute_command("CLIENT", "PAUSE", 12_000, "WRITE")
             try:
                 await ws.send(start("stalled", 4))
@@ -85,7 +88,6 @@ def test_a_redis_stall_during_one_start_fails_that_start_only(hostile_live: Live
             return stalled, sibling, after
 
     stalled, sibling, after = run(scenario())
-    assert stalled["type"] == "error" and stalled["error"]["code"] == "service_unavailable", stalled
-    assert stalled["retry_after"] >= 1
+    assert stalled["type"] == "done" and stalled["usage"]["completion_tokens"] == 4, stalled
     assert sibling["type"] == "done" and sibling["usage"]["completion_tokens"] == 120, sibling
     assert after["type"] == "done", after

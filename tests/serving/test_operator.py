@@ -144,6 +144,8 @@ def test_metrics_open_on_loopback(live: LiveServer):
     families = metric_families(response.text)  # parses as Prometheus text, or raises
     assert families["llm_engine_kv_blocks_total"][0].value == live.stats()["kv_blocks_total"]
     assert {s.labels["lane"] for s in families["llm_engine_requests_waiting"]} == {"P0", "P1", "P2"}
+    assert families["llm_limits_local"][0].value == 0  # Redis answers (tests/reliability: while it stalls)
+    assert families["llm_limits_fallbacks"][0].value >= 0
 
 
 def test_metrics_through_a_proxy_need_the_token(live: LiveServer):

@@ -3,6 +3,7 @@ import time
 from datetime import datetime, timezone as dt_timezone
 
 import pytest
+import redis
 
 from tenants import actions, errors, quota
 
@@ -49,9 +50,27 @@ def test_a_refused_request_is_not_counted_as_admitted_and_a_tier_change_applies_
     assert client.get("/v1/models").status_code == 200
 
 
-def test_an_unreachable_redis_refuses_with_503_instead_of_serving_unmetered(make_tenant, client_for, settings):
+def test_an_unreachable_redis_leaves_requests_per_minute_to_this_process(make_tier, make_tenant, client_for, settings):
+    _, issued = make_tenant("acme", make_tier(requests_per_minute=2))
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    client = client_for(issued.plaintext)
+    assert [client.get("/v1/models").status_code for _ in range(2)] == [200, 200]
+    refused = client.get("/v1/models")
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests"
+    assert refused["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_an_unreachable_redis_refuses_a_budget_this_process_never_saw_with_503(make_tenant, settings):
+    tenant, _ = make_tenant("acme")
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    with pytest.raises(redis.RedisError):  # the admission pool answers it as a 503 (tests/reliability)
+        quota.admit_tokens(tenant, prompt_tokens=10, max_tokens=10)
+
+
+def test_with_no_share_for_one_process_an_unreachable_redis_refuses_with_503(make_tenant, client_for, settings):
     _, issued = make_tenant("acme")
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    settings.LIMITS_FALLBACK_SHARE = 0
     response = client_for(issued.plaintext).get("/v1/models")
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "service_unavailable"

@@ -1,0 +1,128 @@
+"""Limits while Redis stalls (tenants.fallback), against a real redis-server paused for writes.
+
+Issue 24 item 7: a Redis stall made every tenant's admission wait for it, then fail. Now a
+call that misses the deadline hands the decision to this process, which counts what it
+admitted itself, and gives what it admitted back to Redis when Redis answers again.
+The bounds on elapsed time are how long a hang may last before the test fails.
+"""
+import contextlib
+import time
+
+import pytest
+import redis as redis_lib
+
+from tenants.fallback import FallbackLimiter, LimitsUnavailable
+from tenants.limits import Limiter
+
+DEADLINE_S = 0.1
+PAUSE_MS = 3000  # far past the deadline: a call that waits for the pause fails the bound
+
+
+@pytest.fixture
+def limiter(redis, redis_server) -> FallbackLimiter:
+    fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S, socket_connect_timeout=DEADLINE_S,
+                                    retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
+    return FallbackLimiter(Limiter(fast), Limiter(redis), share=1.0)
+
+
+@contextlib.contextmanager
+def writes_paused(redis):
+    redis.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+    try:
+        yield
+    finally:
+        redis.execute_command("CLIENT", "UNPAUSE")
+
+
+def answered_again(limiter: FallbackLimiter) -> None:
+    deadline = time.monotonic() + 10
+    while limiter.breaker.open:
+        assert time.monotonic() < deadline, "the breaker did not close after Redis answered"
+        time.sleep(0.02)
+
+
+def test_slots_held_before_a_stall_count_against_the_tenant_during_it(limiter, redis):
+    first, _ = limiter.acquire_lease("tenant:1", "streams", 3, ttl_s=30, count=2)
+    assert first is not None
+    with writes_paused(redis):
+        started = time.monotonic()
+        third, decision = limiter.acquire_lease("tenant:1", "streams", 3, ttl_s=30)
+        assert time.monotonic() - started < 1.0
+        assert third is not None and decision.local
+        fourth, refused = limiter.acquire_lease("tenant:1", "streams", 3, ttl_s=30)
+        assert fourth is None and not refused.allowed and refused.local
+        assert refused.buckets[0].retry_after_s > 0
+        assert limiter.breaker.open
+    answered_again(limiter)
+    # The slot taken alone is in Redis now, before Redis decides again.
+    assert limiter.fast.leases_held("tenant:1", "streams") == 3
+    assert limiter.acquire_lease("tenant:1", "streams", 3, ttl_s=30)[0] is None
+    limiter.release_lease(third)
+    assert limiter.fast.leases_held("tenant:1", "streams") == 2
+
+
+def test_a_slot_released_during_a_stall_is_released_in_redis_once_it_answers(limiter, redis):
+    lease, _ = limiter.acquire_lease("tenant:1", "streams", 2, ttl_s=30)
+    with writes_paused(redis):
+        limiter.acquire_lease("tenant:1", "streams", 2, ttl_s=30)  # trips the breaker
+        limiter.release_lease(lease)
+    answered_again(limiter)
+    deadline = time.monotonic() + 5
+    while limiter.fast.leases_held("tenant:1", "streams") > 1:  # the other one is still held
+        assert time.monotonic() < deadline, "the slot released during the stall stayed held in Redis"
+        time.sleep(0.02)
+
+
+def test_requests_per_minute_admitted_before_a_stall_count_during_it(limiter, redis):
+    assert limiter.admit("tenant:1", 60, {"requests": (3, 2)}).allowed
+    with writes_paused(redis):
+        alone = limiter.admit("tenant:1", 60, {"requests": (3, 1)})
+        assert alone.allowed and alone.local and alone.bucket("requests").remaining == 0
+        refused = limiter.admit("tenant:1", 60, {"requests": (3, 1)})
+        assert not refused.allowed and 0 < refused.retry_after_s <= 20
+    answered_again(limiter)
+
+
+def test_a_budget_during_a_stall_spends_only_the_room_redis_last_reported(limiter, redis):
+    limiter.steady.counter_seed("tenant:1", "2030-01", 600, ttl_s=3600)
+    held = limiter.reserve_budget("tenant:1", "2030-01", 1000, 100, ttl_s=30, keys_ttl_s=3600)
+    assert held.status == "reserved"  # room: 1000 - 600 used - 100 held = 300 more
+    with writes_paused(redis):
+        during = limiter.reserve_budget("tenant:1", "2030-01", 1000, 250, ttl_s=30, keys_ttl_s=3600)
+        assert during.status == "reserved" and during.reservation is not None
+        # As in Redis, a hold is taken while anything is left (the last one may overrun it).
+        last = limiter.reserve_budget("tenant:1", "2030-01", 1000, 100, ttl_s=30, keys_ttl_s=3600)
+        assert last.status == "reserved"
+        over = limiter.reserve_budget("tenant:1", "2030-01", 1000, 1, ttl_s=30, keys_ttl_s=3600)
+        assert over.status == "held"
+        with pytest.raises(LimitsUnavailable):  # a tenant this process has not reserved for
+            limiter.reserve_budget("tenant:2", "2030-01", 1000, 1, ttl_s=30, keys_ttl_s=3600)
+    answered_again(limiter)
+    # The holds taken alone are in Redis: what is left is held by the generations in flight.
+    assert limiter.reserve_budget("tenant:1", "2030-01", 1000, 100, ttl_s=30, keys_ttl_s=3600).status == "held"
+    assert limiter.settle_budget(during.reservation, 40) == 640
+    assert limiter.settle_budget(held.reservation, 10) == 650
+    assert limiter.reserve_budget("tenant:1", "2030-01", 1000, 350, ttl_s=30, keys_ttl_s=3600).status == "reserved"
+
+
+def test_with_no_share_a_stall_refuses_instead(redis, redis_server):
+    fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S,
+                                    retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
+    closed = FallbackLimiter(Limiter(fast), Limiter(redis), share=0)
+    with writes_paused(redis):
+        with pytest.raises(LimitsUnavailable):
+            closed.admit("tenant:1", 60, {"requests": (3, 1)})
+        with pytest.raises(LimitsUnavailable):  # the breaker is open: refused at once
+            closed.acquire_lease("tenant:1", "streams", 3, ttl_s=30)
+    answered_again(closed)
+    assert closed.admit("tenant:1", 60, {"requests": (3, 1)}).allowed
+
+
+def test_a_share_of_one_half_grants_half_of_each_limit_alone(redis, redis_server):
+    fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S,
+                                    retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
+    half = FallbackLimiter(Limiter(fast), Limiter(redis), share=0.5)
+    with writes_paused(redis):
+        taken = [half.acquire_lease("tenant:1", "streams", 4, ttl_s=30)[0] for _ in range(3)]
+        assert [lease is not None for lease in taken] == [True, True, False]
+    answered_again(half)
