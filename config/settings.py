@@ -158,6 +158,12 @@ CELERY_TASK_IGNORE_RESULT = True
 
 # Where workers send batch items: an engine replica's internal endpoint (or a balancer).
 BATCH_ENGINE_URL = env.str("BATCH_ENGINE_URL", default=f"http://127.0.0.1:{env.int('WEB_PORT', default=PORT)}")
+# --- the fleet (inference.fleet): each replica reports itself to Redis ---
+# A replica's name and where it serves, as the fleet lists it.
+REPLICA_ID = env.str("REPLICA_ID", default="")  # default: host name and pid
+REPLICA_URL = env.str("REPLICA_URL", default=f"http://127.0.0.1:{env.int('WEB_PORT', default=PORT)}")
+# How often each replica reports; one that misses three reports leaves the fleet.
+FLEET_HEARTBEAT_S = env.float("FLEET_HEARTBEAT_S", default=2.0)
 FILES_MAX_BYTES = env.int("FILES_MAX_BYTES", default=100 * 1024**2)
 BATCH_MAX_LINES = env.int("BATCH_MAX_LINES", default=50_000)
 # A delivery that started running an item and ended badly counts; after this many the item fails.

@@ -20,6 +20,7 @@ urlpatterns = [
     path("v1/", include("inference.urls")),
     path("v1/", include("batches.urls")),
     path("api/v1/engine/stats", operator_views.engine_stats, name="engine-stats"),
+    path("api/v1/engine/fleet", operator_views.engine_fleet, name="engine-fleet"),
     # The schema covers the consumer endpoints too (see inference.openapi); open to all, as docs are.
     path("api/schema/", SpectacularAPIView.as_view(urlconf="inference.openapi", authentication_classes=[],
                                                    permission_classes=[], throttle_classes=[],

@@ -3,7 +3,8 @@
 Staff only: the socket is mounted behind Channels' session authentication (config.asgi);
 anyone else is closed with 4403 before a snapshot is sent. The snapshot comes from this
 process's engine host directly, not through the channel layer: the console shows the
-engine of the daphne process it is connected to.
+engine of the daphne process it is connected to, and every replica's last report to the
+fleet (inference.fleet) beside it.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from console import queries
-from inference.operator_views import engine_stats_payload
+from inference import fleet
+from inference.fleet import local_stats
 
 PUSH_INTERVAL_S = 0.5
 LATENCY_REFRESH_S = 1.0  # the usage-record query runs at most this often, however many pages are open
+FLEET_REFRESH_S = 1.0  # and the fleet's read from Redis
+FLEET_FIELDS = ("requests_running", "requests_in_flight", "tokens_per_s", "kv_blocks_used", "kv_blocks_total")
 FORBIDDEN = 4403
 
 _latency: dict = {"at": float("-inf"), "value": None}
@@ -31,8 +35,28 @@ async def latency_by_lane() -> dict:
     return _latency["value"]
 
 
+_fleet: dict = {"at": float("-inf"), "value": None}
+
+
+def _replicas() -> list[dict] | None:
+    """Each replica's row for the page, or None while Redis does not answer."""
+    try:
+        reports = fleet.replicas()
+    except Exception:  # Redis away: the page says so; the snapshot goes on
+        return None
+    return [{"id": r["id"], "url": r["url"], "state": r["state"], "last_seen": r["last_seen"],
+             **{name: r["stats"].get(name) for name in FLEET_FIELDS}} for r in reports]
+
+
+async def replicas() -> list[dict] | None:
+    if time.monotonic() - _fleet["at"] >= FLEET_REFRESH_S:
+        _fleet["at"] = time.monotonic()
+        _fleet["value"] = await asyncio.to_thread(_replicas)
+    return _fleet["value"]
+
+
 async def snapshot() -> dict:
-    return {"at": time.time(), **engine_stats_payload(), "latency": await latency_by_lane()}
+    return {"at": time.time(), **local_stats(), "latency": await latency_by_lane(), "fleet": await replicas()}
 
 
 class EngineConsumer(AsyncWebsocketConsumer):

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -162,21 +163,28 @@ host = EngineHost()
 
 
 class EngineLifespan:
-    """ASGI wrapper that starts the engine when the server starts serving."""
+    """ASGI wrapper that starts the engine when the server starts serving, and calls each of
+    `on_serve` then (on every connection: they must be idempotent)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, on_serve: tuple[Callable[[], None], ...] = ()) -> None:
         self.app = app
+        self.on_serve = on_serve
+
+    def _serving(self) -> None:
+        host.start()
+        for call in self.on_serve:
+            call()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    host.start()
+                    self._serving()
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     await asyncio.to_thread(host.shutdown)
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        host.start()
+        self._serving()
         await self.app(scope, receive, send)

@@ -281,7 +281,7 @@ class EngineStatsDoc(_Documented):
 
     @extend_schema(
         operation_id="engineStats",
-        summary="The engine's live state (staff session or Bearer INTERNAL_API_TOKEN)",
+        summary="This replica's engine, live (staff session or Bearer OPERATOR_API_TOKEN)",
         responses={
             200: inline_serializer("EngineStats", {
                 "state": serializers.CharField(),
@@ -307,6 +307,39 @@ class EngineStatsDoc(_Documented):
                 }),
             }),
             401: OpenApiResponse(Error), 403: OpenApiResponse(Error),
+        },
+        tags=["operators"],
+    )
+    def get(self, request):  # pragma: no cover - documentation only
+        raise NotImplementedError
+
+
+class EngineFleetDoc(_Documented):
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(
+        operation_id="engineFleet",
+        summary="Every replica's engine and their totals (staff session or Bearer OPERATOR_API_TOKEN)",
+        description=(
+            "Each replica reports to Redis every FLEET_HEARTBEAT_S; one that misses three reports is gone from "
+            "the list. `stats` has the keys of /api/v1/engine/stats; `totals` sums their numbers (lanes and "
+            "the like key by key) and counts `replicas` and `replicas_ready`. 503 while Redis is away."
+        ),
+        responses={
+            200: inline_serializer("EngineFleet", {
+                "replicas": serializers.ListField(child=inline_serializer("Replica", {
+                    "id": serializers.CharField(),
+                    "host": serializers.CharField(),
+                    "pid": serializers.IntegerField(),
+                    "url": serializers.CharField(),
+                    "state": serializers.CharField(),
+                    "last_seen": serializers.FloatField(help_text="Unix time of its last report."),
+                    "stats": serializers.DictField(help_text="As GET /api/v1/engine/stats."),
+                })),
+                "totals": serializers.DictField(),
+            }),
+            401: OpenApiResponse(Error), 403: OpenApiResponse(Error), 503: OpenApiResponse(Error),
         },
         tags=["operators"],
     )
@@ -353,4 +386,5 @@ urlpatterns = [
     path("v1/completions", CompletionsDoc.as_view()),
     path("api/v1/inference/chat", PlatformChatDoc.as_view()),
     path("api/v1/engine/stats", EngineStatsDoc.as_view()),
+    path("api/v1/engine/fleet", EngineFleetDoc.as_view()),
 ]

@@ -6,18 +6,19 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
+
+import redis
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 
-from config.daphne_hooks import stream_buffers
+from inference import fleet
 from inference.host import EngineUnavailable, host
 from inference.service_tokens import is_metrics_token, is_operator_token
-from tenants import quota
+from tenants import errors, quota
 from tenants.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "::1")
@@ -55,57 +56,37 @@ def _refusal(request: HttpRequest, token: str) -> JsonResponse:
     return response
 
 
-def engine_stats_payload() -> dict:
-    """The engine's state in the shape operators and the console read (GET /api/v1/engine/stats)."""
-    state = host.state
-    try:
-        stats = host.engine().stats()
-    except EngineUnavailable:
-        return {"state": state, "ready": False, "error": host.error or None}
-    lanes = {str(int(lane)): dataclasses.asdict(counts) for lane, counts in stats.lanes.items()}
-    return {
-        "state": state,
-        "ready": stats.ready,
-        "kv_blocks_total": stats.blocks_total,
-        "kv_blocks_free": stats.blocks_free,
-        "kv_blocks_cached": stats.blocks_cached,
-        "kv_blocks_used": stats.blocks_used,
-        "kv_block_size": stats.block_size,
-        "swap_blocks_total": stats.swap_blocks_total,
-        "swap_blocks_used": stats.swap_blocks_used,
-        "requests_running": stats.running,
-        "requests_swapped": stats.swapped,
-        "requests_paused": stats.paused,
-        "requests_waiting": {lane: counts["waiting"] for lane, counts in lanes.items()},
-        "lanes": lanes,
-        "requests_in_flight": stats.in_flight,
-        "preemptions": stats.preemptions,
-        "preemptions_by_mode": {"recompute": stats.preemptions_recompute, "swap": stats.preemptions_swap},
-        "tokens_per_s": stats.tokens_per_s,
-        "steps": stats.steps,
-        "prompt_tokens": stats.prompt_tokens,
-        "computed_tokens": stats.computed_tokens,
-        "prefix_hit_tokens": stats.prefix_hit_tokens,
-        "generated_tokens": stats.generated_tokens,
-        "finished_requests": stats.finished_requests,
-        "aborted_requests": stats.aborted_requests,
-        "step_errors": stats.step_errors,
-        "restarts": stats.restarts,
-        # Not the engine's, but what its streams cost this process: bytes their clients have
-        # not taken, and clients disconnected for taking nothing (STREAM_STALL_S).
-        "streams": stream_buffers(),
-    }
+def _operators_only(view):
+    """A staff session or the operator token; csrf_exempt since these views only read
+    (_get_only), so a POST gets 405 rather than a CSRF page."""
+    @csrf_exempt
+    @never_cache
+    @_get_only
+    @functools.wraps(view)
+    def wrapped(request: HttpRequest) -> HttpResponse:
+        if not ((request.user.is_authenticated and request.user.is_staff)
+                or is_operator_token(request.META.get("HTTP_AUTHORIZATION"))):
+            return _refusal(request, "OPERATOR_API_TOKEN")
+        return view(request)
+    return wrapped
 
 
-# csrf_exempt: both views only read (_get_only), so a POST gets 405 rather than a CSRF page.
-@csrf_exempt
-@never_cache
-@_get_only
+@_operators_only
 def engine_stats(request: HttpRequest) -> JsonResponse:
-    if not ((request.user.is_authenticated and request.user.is_staff)
-            or is_operator_token(request.META.get("HTTP_AUTHORIZATION"))):
-        return _refusal(request, "OPERATOR_API_TOKEN")
-    return JsonResponse(engine_stats_payload())
+    return JsonResponse(fleet.local_stats())
+
+
+@_operators_only
+def engine_fleet(request: HttpRequest) -> JsonResponse:
+    """Every replica's last report and their totals (inference.fleet)."""
+    try:
+        reports = fleet.replicas()
+    except redis.RedisError as exc:
+        error = errors.limits_unavailable(exc)
+        response = JsonResponse(error.body(), status=error.status)
+        response["Retry-After"] = error.headers["Retry-After"]
+        return response
+    return JsonResponse({"replicas": reports, "totals": fleet.totals(reports)})
 
 
 @csrf_exempt

@@ -154,6 +154,7 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
                      DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
     # Each server journals its usage entries in its own folder (tenants.ledger), unless told.
     child_env.setdefault("USAGE_OUTBOX_DIR", str(tmp / "usage-outbox"))
+    child_env.setdefault("REPLICA_URL", f"http://127.0.0.1:{port}")
     log_path = tmp / "daphne.log"
     server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
                         internal_token=token, env=child_env, log_path=log_path)

@@ -226,6 +226,9 @@ def test_the_engine_page_shows_the_counters_move_while_requests_run(page, platfo
 
     page.goto("/console/engine/")
     expect(page.locator("#engine-state")).to_have_text("ready")
+    # This replica, as it reported itself to the fleet.
+    expect(page.locator("#replicas tr[data-replica] td:nth-child(2)")).to_have_text(platform.server.url)
+    expect(page.locator("#replicas tr[data-replica] td:nth-child(3)")).to_have_text("ready")
     expect(page.locator("#finished-requests")).not_to_have_text("–")
     finished_before = int(page.locator("#finished-requests").inner_text())
     generated_before = int(page.locator("#generated-tokens").inner_text())

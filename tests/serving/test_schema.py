@@ -29,6 +29,7 @@ OPERATIONS = [
     ("/v1/models/{model}", "get"),
     ("/api/v1/inference/chat", "post"),
     ("/api/v1/engine/stats", "get"),
+    ("/api/v1/engine/fleet", "get"),
     ("/v1/files", "post"),
     ("/v1/files", "get"),
     ("/v1/files/{file_id}", "get"),

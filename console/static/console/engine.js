@@ -35,6 +35,27 @@
     }
   }
 
+  function renderFleet(s) {
+    const body = $("replicas").tBodies[0];
+    body.replaceChildren();
+    const rows = s.fleet;  // null: Redis did not answer
+    if (!rows || !rows.length) {
+      const cell = body.insertRow().insertCell();
+      cell.colSpan = 8;
+      cell.textContent = rows ? "no replica has reported" : "the fleet is unavailable (Redis does not answer)";
+      return;
+    }
+    for (const r of rows) {
+      const row = body.insertRow();
+      row.dataset.replica = r.id;
+      const age = Math.max(0, s.at - r.last_seen);
+      for (const text of [r.id, r.url, r.state, fmt(r.requests_running), fmt(r.requests_in_flight), fmt(r.tokens_per_s, 1),
+                          r.kv_blocks_total ? `${r.kv_blocks_used} of ${r.kv_blocks_total}` : "–", `${fmt(age, 1)} s ago`]) {
+        row.insertCell().textContent = text;
+      }
+    }
+  }
+
   function chart() {
     const lane = (l, key) => history.map((s) => (s.lanes[l] || {})[key] ?? 0);
     drawLines($("chart-throughput"), [{ values: history.map((s) => s.tokens_per_s), color: "#1f6feb" }]);
@@ -56,6 +77,7 @@
     socket.onmessage = (event) => {
       const s = JSON.parse(event.data);
       render(s);
+      renderFleet(s);
       if (!s.ready) return;
       history.push(s);
       while (history.length && s.at - history[0].at > HISTORY_S) history.shift();
