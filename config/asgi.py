@@ -15,7 +15,7 @@ from django.urls import re_path  # noqa: E402
 from batches import upload_gate  # noqa: E402
 from config import daphne_hooks  # noqa: E402
 from console.routing import console_routes  # noqa: E402
-from inference import fleet  # noqa: E402
+from inference import drain, fleet  # noqa: E402
 from inference.host import EngineLifespan  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
@@ -33,7 +33,7 @@ upload_gate.install()  # POST /v1/files: the key is checked before the body is r
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a
 # browser page cannot attach to another site's socket, and most API clients send no Origin.
 # EngineLifespan starts loading the model when the server starts serving (never at import),
-# and this replica's reports to the fleet.
+# this replica's reports to the fleet, and the drain on SIGTERM.
 application = EngineLifespan(ProtocolTypeRouter(
     {
         # Streaming (SSE) routes first, each wrapped in the key middleware by
@@ -46,4 +46,4 @@ application = EngineLifespan(ProtocolTypeRouter(
             re_path(r"", ApiKeyAuthMiddleware(URLRouter(websocket_routes))),
         ]),
     }
-), on_serve=(fleet.join,))
+), on_serve=(fleet.join, drain.install))

@@ -316,3 +316,14 @@ def stream_buffers() -> dict:
                 held.append(buffered_bytes(getattr(protocol, "transport", None)))
     return {"open": len(held), "buffered_bytes": sum(held), "buffered_bytes_max": max(held, default=0),
             "stalled_disconnected": _streams["stalled"]}
+
+
+def open_sse_responses() -> int:
+    """SSE responses this process is still writing (a drain waits for them to end)."""
+    from daphne.ws_protocol import WebSocketProtocol
+
+    server = _streams["server"]
+    if server is None:
+        return 0
+    return sum(1 for protocol in list(server.connections)
+               if getattr(protocol, "_is_stream", False) and not isinstance(protocol, WebSocketProtocol))

@@ -164,6 +164,9 @@ REPLICA_ID = env.str("REPLICA_ID", default="")  # default: host name and pid
 REPLICA_URL = env.str("REPLICA_URL", default=f"http://127.0.0.1:{env.int('WEB_PORT', default=PORT)}")
 # How often each replica reports; one that misses three reports leaves the fleet.
 FLEET_HEARTBEAT_S = env.float("FLEET_HEARTBEAT_S", default=2.0)
+# SIGTERM drains (inference.drain): no new generations, the running ones finish, then exit;
+# past this long it exits anyway. A supervisor's stop timeout should be longer.
+DRAIN_TIMEOUT_S = env.float("DRAIN_TIMEOUT_S", default=60.0)
 FILES_MAX_BYTES = env.int("FILES_MAX_BYTES", default=100 * 1024**2)
 BATCH_MAX_LINES = env.int("BATCH_MAX_LINES", default=50_000)
 # A delivery that started running an item and ended badly counts; after this many the item fails.

@@ -25,6 +25,7 @@ from django.conf import settings
 
 from config import redis as shared_redis
 from config.daphne_hooks import stream_buffers
+from inference import drain
 from inference.host import EngineUnavailable, host
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ MISSED_BEATS = 3  # an entry lives this many heartbeats unless renewed
 def local_stats() -> dict:
     """This replica's engine in the shape operators, the console and the fleet read
     (GET /api/v1/engine/stats)."""
-    state = host.state
+    state = "draining" if drain.draining() else host.state
     try:
         stats = host.engine().stats()
     except EngineUnavailable:

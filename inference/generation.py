@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from inference import billing, gate, prompts, streaming
+from inference import billing, drain, gate, prompts, streaming
 from inference.billing import Usage
 from inference.protocol import GenerationRequest
 from inference.streaming import Choice
@@ -119,6 +119,7 @@ class Generation:
             raise
 
     async def _start(self) -> None:
+        drain.refuse_if_draining()  # this replica is shutting down: the balancer retries elsewhere
         request, tier = self.request, self.tenant.tier
         self.model = gate.served_model(request)
         self.lane = gate.lane_for(request, tier, self.header_priority, self.lane_override)

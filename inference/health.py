@@ -8,6 +8,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from config import redis as shared_redis
+from inference import drain
 from inference.readiness import engine_state
 from tenants import quota
 
@@ -61,4 +62,6 @@ def readyz(request: HttpRequest) -> JsonResponse:
     # Redis away is not a reason to leave the rotation while limits are decided locally: every
     # replica shares that Redis, so a balancer would take them all out at once.
     ready = checks["database"] == "ok" and checks["limits"] != "unavailable" and engine.ready
+    if drain.draining():  # SIGTERM: out of the balancer's rotation while its streams finish
+        return JsonResponse({"status": "draining", "checks": checks}, status=503)
     return JsonResponse({"status": "ready" if ready else "not ready", "checks": checks}, status=200 if ready else 503)

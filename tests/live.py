@@ -36,6 +36,9 @@ DEFAULT_ENV = {
     "SSE_HEARTBEAT_S": "15",
     "MAX_REQUEST_BYTES": str(256 * 1024),
     "LOG_LEVEL": "WARNING",
+    # stop() sends SIGTERM and kills after 20 s: a stream a test left open must not hold the
+    # drain (inference.drain) that long.
+    "DRAIN_TIMEOUT_S": "5",
 }
 
 
