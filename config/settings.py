@@ -104,7 +104,15 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "staticfiles"
+# `collectstatic` gathers here; with DEBUG off daphne serves it (config.static_files).
+STATIC_ROOT = Path(env.str("STATIC_ROOT", default=str(BASE_DIR / "staticfiles")))
+if not DEBUG:
+    # Hashed names, cached for a year by browsers; a page rendered before `collectstatic`
+    # ran fails loudly instead of linking files that are not there.
+    STORAGES = {
+        "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+        "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.ManifestStaticFilesStorage"},
+    }
 
 LOGGING = {
     "version": 1,

@@ -3,12 +3,15 @@
 The generation endpoints (/v1/chat/completions, /v1/completions, /api/v1/inference/chat)
 and the WebSocket are Channels consumers, routed before Django in `config.asgi`.
 """
+import re
+
 from django.conf import settings
 from django.contrib import admin
 from django.contrib.staticfiles.urls import staticfiles_urlpatterns
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from config import static_files
 from inference import health, operator_views, views
 
 SCHEMA_HOOKS = ["drf_spectacular.hooks.postprocess_schema_enums", "inference.openapi.close_request_bodies"]
@@ -32,8 +35,10 @@ urlpatterns = [
 ]
 
 if settings.DEBUG:
-    # daphne serves no static files; in development Django serves the admin's own.
-    # Production runs `collectstatic` and lets the front web server or CDN serve them.
+    # In development Django serves the apps' static files from their folders.
     urlpatterns += staticfiles_urlpatterns()
+else:
+    # Otherwise what `collectstatic` gathered (a proxy in front may serve STATIC_ROOT itself).
+    urlpatterns.append(re_path(rf"^{re.escape(settings.STATIC_URL.lstrip('/'))}(?P<path>.+)$", static_files.serve))
 # Last: a client of the API gets JSON for a path that does not exist, as from any other error.
 urlpatterns.append(re_path(r"^(?:v1|api|internal)(?:/|$)", views.unknown_path))

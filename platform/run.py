@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""`make run`: migrate, create the admin user once, then hand over to honcho, which runs
+"""`make run`: migrate (and collectstatic with DEBUG off), create the admin user once, then hand over to honcho, which runs
 redis (unless REDIS_URL points at one), web (daphne) and worker (Celery) from
 platform/Procfile. A worker that dies (a crash, the OOM killer) is started again after 2 s by
 its Procfile loop; any other process exiting stops the platform.
@@ -80,6 +80,10 @@ def main() -> None:
 
     django.setup()
     call_command("migrate", interactive=False, verbosity=1)
+    from django.conf import settings
+
+    if not settings.DEBUG:  # daphne serves STATIC_ROOT then (config.static_files)
+        call_command("collectstatic", interactive=False, verbosity=0)
     login = ensure_admin(run_dir)
     base = f"http://127.0.0.1:{os.environ['PORT']}"
     print(

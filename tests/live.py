@@ -158,6 +158,7 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
     # Each server journals its usage entries in its own folder (tenants.ledger), unless told.
     child_env.setdefault("USAGE_OUTBOX_DIR", str(tmp / "usage-outbox"))
     child_env.setdefault("REPLICA_URL", f"http://127.0.0.1:{port}")
+    child_env.setdefault("STATIC_ROOT", str(tmp / "static"))
     log_path = tmp / "daphne.log"
     server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
                         internal_token=token, env=child_env, log_path=log_path)
@@ -179,6 +180,9 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
     try:
         subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=child_env, check=True,
                        capture_output=True, timeout=300)
+        if child_env.get("DEBUG", "").lower() in ("0", "false", "off", "no"):  # as production serves them
+            subprocess.run([sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"], cwd=ROOT, env=child_env,
+                           check=True, capture_output=True, timeout=300)
         created = server.django(f"TIERS = {tiers!r}\nTENANTS = {tenants!r}\n" + TENANTS_SCRIPT)
         server.keys, server.tenant_ids = created["keys"], created["ids"]
         daphne = subprocess.Popen(

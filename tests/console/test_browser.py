@@ -80,7 +80,8 @@ class Platform:
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     require_browser()
     tmp = tmp_path_factory.mktemp("console")
-    server, stop = start_live_server(tmp, TIERS, TENANTS)
+    # DEBUG off, as in production: the pages' CSS and scripts come from collectstatic's output.
+    server, stop = start_live_server(tmp, TIERS, TENANTS, {"DEBUG": "0"})
     platform = Platform(server, tmp, server.django(USERS_SCRIPT)["member_session"])
     try:
         yield platform
@@ -226,6 +227,8 @@ def test_the_engine_page_shows_the_counters_move_while_requests_run(page, platfo
 
     page.goto("/console/engine/")
     expect(page.locator("#engine-state")).to_have_text("ready")
+    # The console's CSS is loaded (DEBUG is off on this server: config.static_files serves it).
+    expect(page.locator("header")).to_have_css("background-color", "rgb(31, 58, 95)")
     # This replica, as it reported itself to the fleet.
     expect(page.locator("#replicas tr[data-replica] td:nth-child(2)")).to_have_text(platform.server.url)
     expect(page.locator("#replicas tr[data-replica] td:nth-child(3)")).to_have_text("ready")
