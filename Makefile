@@ -13,6 +13,9 @@ test: venv kernels
 	@# The console's browser tests drive Debian's chromium; as root, install it when missing.
 	test -x /usr/bin/chromium || (test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q chromium) \
 		|| echo "tests/console needs Debian's chromium at /usr/bin/chromium: apt-get install chromium"
+	@# tests/cluster runs deploy/nginx.conf in Debian's nginx; likewise.
+	test -x /usr/sbin/nginx || (test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q nginx-light) \
+		|| echo "tests/cluster needs Debian's nginx at /usr/sbin/nginx: apt-get install nginx-light"
 	$(VENV)/bin/python -m pytest
 
 # The inner loop: no live daphne, Celery worker, browser or real model (tests/conftest.py marks

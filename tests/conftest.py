@@ -38,6 +38,8 @@ SLOW_FIXTURES = frozenset({
     "platform",      # tests/console/test_browser.py: daphne for the browser (and `browser`, `page` on it)
     "smollm",        # tests/engine/conftest.py: the real weights (and `make_engine`, `chat_prompt_ids`)
     "hf_reference",  # tests/engine/conftest.py: transformers loading the same GGUF
+    "replica",       # tests/reliability/test_drain.py: a live server of its own, which it drains
+    "proxy",         # tests/cluster/test_nginx.py: nginx in front of a live server
 })
 
 

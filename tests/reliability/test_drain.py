@@ -25,7 +25,7 @@ TOKENS = 96
 
 
 @pytest.fixture
-def server(tmp_path):
+def replica(tmp_path):
     server, stop = start_live_server(tmp_path, {"drain": {"lane": 1, **BIG}}, {"drain": "drain"},
                                      {"DRAIN_TIMEOUT_S": "120"})
     try:
@@ -45,7 +45,8 @@ def _post_chat(server) -> tuple[int, dict, dict]:
         return err.code, dict(err.headers), json.loads(err.read())
 
 
-def test_sigterm_drains_the_running_stream_refuses_new_work_and_exits(server):
+def test_sigterm_drains_the_running_stream_refuses_new_work_and_exits(replica):
+    server = replica
     deadline = time.monotonic() + 10
     while not (reports := fleet.replicas(redis.Redis.from_url(server.redis_url))):
         assert time.monotonic() < deadline, "the server never reported to the fleet"

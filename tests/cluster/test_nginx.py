@@ -1,0 +1,119 @@
+"""deploy/nginx.conf in front of a live replica, with real nginx: what production relies on.
+
+Streams are not buffered (the first token reaches the client while the replica still
+generates), WebSockets upgrade, the client's address arrives as X-Forwarded-For, and a
+replica that refuses connections is skipped: the upstream list holds the live replica and a
+port where nothing listens, so about half of the routing keys hash to the dead one first.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import free_port
+from tests.isolation_env import BIG
+from tests.live import LiveServer, start_live_server
+from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
+from tests.wsclient import bearer, connect, run, start, until_end
+
+ROOT = Path(__file__).resolve().parents[2]
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+TIMEOUT_S = 120  # hang guards, never timing assertions
+
+
+class Proxy:
+    def __init__(self, url: str, server: LiveServer) -> None:
+        self.url, self.server = url, server
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory):
+    if not os.path.exists(NGINX):
+        pytest.fail("tests/cluster needs Debian's nginx: apt-get install nginx-light (make test installs it as root)")
+    tmp = tmp_path_factory.mktemp("nginx")
+    (tmp / "replica").mkdir()
+    server, stop_server = start_live_server(tmp / "replica", {"proxied": {"lane": 1, **BIG}}, {"proxied": "proxied"})
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    port, dead = free_port(), free_port()
+    conf = subprocess.run([sys.executable, str(ROOT / "deploy" / "nginx.py"), "--listen", f"127.0.0.1:{port}",
+                           "--upstream", server.url.removeprefix("http://"), "--upstream", f"127.0.0.1:{dead}",
+                           "--run-dir", str(run_dir)], check=True, capture_output=True, text=True).stdout
+    (run_dir / "nginx.conf").write_text(conf)
+    # As root (as make test runs): workers of a root master would otherwise run as nobody,
+    # which cannot enter pytest's private temporary folders.
+    user = ["-g", "daemon off; user root;"] if os.getuid() == 0 else ["-g", "daemon off;"]
+    nginx = subprocess.Popen([NGINX, "-c", str(run_dir / "nginx.conf"), "-p", str(run_dir), *user],
+                             stdout=subprocess.DEVNULL, stderr=(run_dir / "stderr.log").open("w"))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert nginx.poll() is None, (run_dir / "stderr.log").read_text() + (run_dir / "error.log").read_text()
+                assert time.monotonic() < deadline, "nginx did not listen"
+                time.sleep(0.1)
+        yield Proxy(f"http://127.0.0.1:{port}", server)
+    finally:
+        nginx.send_signal(signal.SIGQUIT)  # graceful
+        try:
+            nginx.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            nginx.kill()
+        stop_server()
+
+
+def test_a_stream_through_nginx_arrives_token_by_token(proxy: Proxy):
+    stream = SocketStream(proxy.url, OPENAI_CHAT, proxy.server.keys["proxied"], chat_body(64, stream=True))
+    try:
+        first = stream.next_event()
+        assert isinstance(first, Event)
+        # The replica is still generating: nginx passed the first events on as they came.
+        assert not stream.wire.ended
+        assert proxy.server.stats()["requests_running"] == 1
+        events = [first]
+        while (event := stream.next_event()) is not None:
+            events.append(event)
+    finally:
+        stream.close()
+    assert events[-1].data == "[DONE]"
+    assert sum(1 for e in events[:-1] if e.json()["choices"] and e.json()["choices"][0]["delta"].get("content")) > 8
+
+
+def test_a_websocket_upgrades_through_nginx(proxy: Proxy):
+    async def scenario():
+        url = proxy.url.replace("http://", "ws://") + "/ws/v1/chat"
+        async with connect(url, additional_headers=bearer(proxy.server.keys["proxied"])) as ws:
+            await ws.send(start("via-nginx", 8))
+            return await until_end(ws, "via-nginx")
+
+    done = run(scenario())
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 8, done
+
+
+def test_every_routing_key_is_served_although_one_replica_refuses_connections(proxy: Proxy):
+    headers = {"Authorization": f"Bearer {proxy.server.keys['proxied']}"}
+    statuses = [requests.get(proxy.url + "/v1/models", headers={**headers, "X-Prompt-Cache-Key": f"key-{i}"},
+                             timeout=TIMEOUT_S).status_code for i in range(20)]
+    assert statuses == [200] * 20
+    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    chats = [requests.post(proxy.url + OPENAI_CHAT, json=body, headers={**headers, "X-Prompt-Cache-Key": f"chat-{i}"},
+                           timeout=TIMEOUT_S).status_code for i in range(6)]
+    assert chats == [200] * 6
+
+
+def test_the_replica_sees_a_proxied_client_as_remote(proxy: Proxy):
+    # nginx adds X-Forwarded-For, so loopback's free pass to /metrics does not apply through it.
+    assert requests.get(proxy.server.url + "/metrics", timeout=TIMEOUT_S).status_code == 200
+    assert requests.get(proxy.url + "/metrics", timeout=TIMEOUT_S).status_code == 401
