@@ -4,10 +4,14 @@ VENV := .venv
 REQS := requirements.txt requirements-dev.txt requirements-model.txt
 STAMP := $(VENV)/.installed-$(shell cat $(REQS) | cksum | cut -d" " -f1)
 
-.PHONY: run test test-fast venv kernels
+.PHONY: run cluster test test-fast venv kernels
 
 run: venv kernels
 	$(VENV)/bin/python platform/run.py
+
+# nginx in front of REPLICAS (2) replicas, one Celery worker: the production shape on one host.
+cluster: venv kernels
+	$(VENV)/bin/python platform/cluster.py
 
 test: venv kernels
 	@# The console's browser tests drive Debian's chromium; as root, install it when missing.

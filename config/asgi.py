@@ -16,7 +16,7 @@ from batches import upload_gate  # noqa: E402
 from config import daphne_hooks  # noqa: E402
 from console.routing import console_routes  # noqa: E402
 from inference import drain, fleet  # noqa: E402
-from inference.host import EngineLifespan  # noqa: E402
+from inference.host import EngineLifespan, host  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
 from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
 
@@ -29,6 +29,9 @@ daphne_hooks.enlarge_body_messages()
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).
 daphne_hooks.install_stream_backpressure(settings.STREAM_MAX_BUFFERED_BYTES, settings.STREAM_STALL_S)
 upload_gate.install()  # POST /v1/files: the key is checked before the body is read
+# The engine loads, the replica reports to the fleet and SIGTERM drains from the moment daphne
+# serves, not from its first connection (EngineLifespan does the same for servers with lifespan).
+daphne_hooks.call_when_serving(host.start, fleet.join, drain.install)
 
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a
 # browser page cannot attach to another site's socket, and most API clients send no Origin.

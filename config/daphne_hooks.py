@@ -303,6 +303,29 @@ def install_stream_backpressure(max_bytes: int, stall_s: float) -> None:
     Server._backpressure_installed = True
 
 
+def call_when_serving(*calls) -> None:
+    """Run `calls` once daphne's reactor runs. daphne sends no lifespan startup, so without
+    this the engine loaded (and the replica joined the fleet) on its first connection: behind
+    nginx, which sends none until a request hashes to it, a replica stayed unloaded."""
+    from daphne.server import Server
+
+    if getattr(Server, "_serving_calls", None) is not None:
+        Server._serving_calls.extend(calls)
+        return
+    Server._serving_calls = list(calls)
+    original = Server.run
+
+    def run(self):
+        from twisted.internet import reactor
+
+        # Inside the running loop: after Twisted's signal handlers (drain replaces SIGTERM's).
+        for call in Server._serving_calls:
+            reactor.callLater(0, call)
+        return original(self)
+
+    Server.run = run
+
+
 def stream_buffers() -> dict:
     """What this process holds for its open streams' clients (operators' stats): bytes not yet
     taken in all and by the worst one, and how many clients were disconnected for stalling."""

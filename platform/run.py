@@ -68,23 +68,31 @@ def ensure_admin(run_dir: Path) -> str:
             f"'.venv/bin/python manage.py changepassword {ADMIN_USERNAME}').")
 
 
-def main() -> None:
+def begin() -> tuple[Path, list[str]]:
+    """Into the checkout, the run folder made, the environment set: (run folder, processes)."""
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     run_dir = Path(os.environ.get("RUN_DIR", ROOT / ".run")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    processes = prepare_environment(run_dir)
+    return run_dir, prepare_environment(run_dir)
 
+
+def prepare_database(run_dir: Path) -> str:
+    """Migrate (and collectstatic with DEBUG off), create the admin once; how to log in."""
     import django
+    from django.conf import settings
     from django.core.management import call_command
 
     django.setup()
     call_command("migrate", interactive=False, verbosity=1)
-    from django.conf import settings
-
     if not settings.DEBUG:  # daphne serves STATIC_ROOT then (config.static_files)
         call_command("collectstatic", interactive=False, verbosity=0)
-    login = ensure_admin(run_dir)
+    return ensure_admin(run_dir)
+
+
+def main() -> None:
+    run_dir, processes = begin()
+    login = prepare_database(run_dir)
     base = f"http://127.0.0.1:{os.environ['PORT']}"
     print(
         f"\n{login}\nServing on {base}/ (Ctrl-C stops everything). The model loads in the background: "

@@ -40,6 +40,7 @@ SLOW_FIXTURES = frozenset({
     "hf_reference",  # tests/engine/conftest.py: transformers loading the same GGUF
     "replica",       # tests/reliability/test_drain.py: a live server of its own, which it drains
     "proxy",         # tests/cluster/test_nginx.py: nginx in front of a live server
+    "cluster",       # tests/cluster/test_cluster.py: make cluster's nginx, two replicas and a worker
 })
 
 

@@ -1,0 +1,149 @@
+"""`make cluster` (platform/cluster.py): nginx in front of two replicas and a Celery worker, one
+platform. The fleet lists both replicas, limits hold across them, and Ctrl-C stops it all.
+
+The database is PostgreSQL when DATABASE_URL points at one (else a SQLite file), Redis the
+test's own. The bounds on waiting are hang guards, not speed claims.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, start_redis
+from tests.isolation_env import BIG
+from tests.live import DEFAULT_ENV, TENANTS_SCRIPT, LiveServer, _database, http_status
+from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
+
+ROOT = Path(__file__).resolve().parents[2]
+TIERS = {"rpm-10": {"lane": 1, **{**BIG, "requests_per_minute": 10}},
+         "streams-3": {"lane": 1, **{**BIG, "concurrent_streams": 3, "max_tokens_per_request": 2048}}}
+TENANTS = {"rpm": "rpm-10", "streams": "streams-3"}
+
+
+def _fleet(server: LiveServer) -> list[dict]:
+    try:
+        return server.get_json("/api/v1/engine/fleet", token=server.internal_token)["replicas"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    redis_proc, redis_url = start_redis(tmp)
+    db_url, drop_db = _database(tmp)
+    port, token = free_port(), secrets.token_urlsafe(32)
+    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_ENV",)}
+    env.update(DEFAULT_ENV)
+    env.update(PORT=str(port), RUN_DIR=str(tmp / "run"), DATABASE_URL=db_url, REDIS_URL=redis_url, REPLICAS="2",
+               INTERNAL_API_TOKEN=token, FLEET_HEARTBEAT_S="1", STATIC_ROOT=str(tmp / "static"),
+               USAGE_OUTBOX_DIR=str(tmp / "outbox"), DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
+    log_path = tmp / "cluster.log"
+    server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
+                        internal_token=token, env=env, log_path=log_path)
+    launcher = subprocess.Popen([sys.executable, "platform/cluster.py"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while sum(r["state"] == "ready" for r in _fleet(server)) < 2:
+            assert launcher.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the cluster never had two ready replicas:\n" + log_path.read_text()
+            time.sleep(0.5)
+        created = server.django(f"TIERS = {TIERS!r}\nTENANTS = {TENANTS!r}\n" + TENANTS_SCRIPT)
+        server.keys, server.tenant_ids = created["keys"], created["ids"]
+        yield server, launcher
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGINT)
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+        drop_db()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _status(url: str, key: str, body: dict | None = None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_the_fleet_lists_both_replicas_behind_nginx(cluster):
+    server, _ = cluster
+    replicas = _fleet(server)
+    assert sorted(r["id"] for r in replicas) == ["replica-1", "replica-2"]
+    assert len({r["pid"] for r in replicas}) == 2 and len({r["url"] for r in replicas}) == 2
+    assert all(http_status(r["url"] + "/readyz") == 200 for r in replicas)
+    totals = server.get_json("/api/v1/engine/fleet", token=server.internal_token)["totals"]
+    assert totals["replicas_ready"] == 2
+    assert totals["kv_blocks_total"] == sum(r["stats"]["kv_blocks_total"] for r in replicas)
+
+
+def test_requests_per_minute_hold_across_replicas(cluster):
+    """30 parallel requests of a tier allowing 10 a minute, half to each replica: 10 pass."""
+    server, _ = cluster
+    urls = [r["url"] for r in _fleet(server)]
+    with ThreadPoolExecutor(30) as pool:
+        statuses = list(pool.map(lambda i: _status(urls[i % 2] + "/v1/models", server.keys["rpm"]), range(30)))
+    assert statuses.count(200) == 10 and statuses.count(429) == 20, statuses
+
+
+def test_concurrent_generations_hold_across_replicas(cluster):
+    server, _ = cluster
+    urls = [r["url"] for r in _fleet(server)]
+    key = server.keys["streams"]
+    # Three long streams, on both replicas: the tier's three slots.
+    streams = [SocketStream(urls[i % 2], OPENAI_CHAT, key, chat_body(1500, stream=True)) for i in range(3)]
+    try:
+        for stream in streams:
+            assert isinstance(stream.next_event(), Event)
+        body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        assert [_status(url + OPENAI_CHAT, key, body) for url in urls] == [429, 429]
+    finally:
+        for stream in streams:
+            stream.close()
+    # Their slots come back once the streams are gone (aborted, released).
+    deadline = time.monotonic() + 60
+    while _status(server.url + OPENAI_CHAT, key, {"messages": [{"role": "user", "content": "Hi."}],
+                                                  "max_tokens": 2}) != 200:
+        assert time.monotonic() < deadline, "the slots of closed streams never came back"
+        time.sleep(0.5)
+
+
+def test_ctrl_c_stops_every_process(cluster):
+    server, launcher = cluster
+    pids = [r["pid"] for r in _fleet(server)]
+    os.killpg(launcher.pid, signal.SIGINT)
+    launcher.wait(timeout=60)
+    for pid in pids:
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"replica {pid} still running after Ctrl-C"
+            time.sleep(0.1)
+    assert http_status(server.url + "/healthz") == 0  # nginx is gone too
