@@ -15,7 +15,9 @@ import mimetypes
 import re
 from pathlib import Path
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.contrib.staticfiles.views import serve as finders_serve
 from django.core.exceptions import SuspiciousFileOperation
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.utils._os import safe_join
@@ -27,6 +29,8 @@ YEAR_S = 365 * 24 * 3600
 async def serve(request: HttpRequest, path: str) -> HttpResponse:
     if request.method not in ("GET", "HEAD"):
         return HttpResponseNotAllowed(["GET", "HEAD"])
+    if settings.DEBUG:  # development: the apps' own folders, as Django's runserver does
+        return await sync_to_async(finders_serve)(request, path)
     try:
         full = Path(safe_join(settings.STATIC_ROOT, path))
     except SuspiciousFileOperation:

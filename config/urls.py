@@ -7,7 +7,6 @@ import re
 
 from django.conf import settings
 from django.contrib import admin
-from django.contrib.staticfiles.urls import staticfiles_urlpatterns
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
@@ -34,11 +33,8 @@ urlpatterns = [
     path("console/", include("console.urls")),
 ]
 
-if settings.DEBUG:
-    # In development Django serves the apps' static files from their folders.
-    urlpatterns += staticfiles_urlpatterns()
-else:
-    # Otherwise what `collectstatic` gathered (a proxy in front may serve STATIC_ROOT itself).
-    urlpatterns.append(re_path(rf"^{re.escape(settings.STATIC_URL.lstrip('/'))}(?P<path>.+)$", static_files.serve))
+# Static files: from the apps' folders in DEBUG, else what `collectstatic` gathered. The view
+# reads DEBUG per request: a URL map fixed at import would depend on when it was imported.
+urlpatterns.append(re_path(rf"^{re.escape(settings.STATIC_URL.lstrip('/'))}(?P<path>.+)$", static_files.serve))
 # Last: a client of the API gets JSON for a path that does not exist, as from any other error.
 urlpatterns.append(re_path(r"^(?:v1|api|internal)(?:/|$)", views.unknown_path))

@@ -44,3 +44,13 @@ def test_nothing_outside_the_collected_files_is_served(client, collected, path):
 
 def test_static_files_answer_only_reads(client, collected):
     assert client.post("/static/console/engine.js").status_code == 405
+
+
+def test_in_debug_the_apps_own_folders_are_served_without_collectstatic(client, settings, tmp_path):
+    # The URL map does not depend on DEBUG at import (a suite imports it at any time): the
+    # view reads it per request.
+    settings.DEBUG = True
+    settings.STATIC_ROOT = tmp_path / "nothing-collected"
+    response = client.get("/static/console/engine.js")
+    assert response.status_code == 200
+    assert b"/ws/console/engine" in b"".join(response.streaming_content)
