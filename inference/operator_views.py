@@ -44,16 +44,20 @@ def _is_loopback(request: HttpRequest) -> bool:
             and "HTTP_X_FORWARDED_FOR" not in request.META)
 
 
+def _json_error(error: ApiError) -> JsonResponse:
+    response = JsonResponse(error.body(), status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
 def _refusal(request: HttpRequest, token: str) -> JsonResponse:
     if request.META.get("HTTP_AUTHORIZATION"):
         error = ApiError(403, "This token may not read operator endpoints.", type="permission_error", code="forbidden")
     else:
         error = ApiError(401, f"This endpoint needs 'Authorization: Bearer <{token}>'.",
                          code="unauthenticated", headers={"WWW-Authenticate": "Bearer"})
-    response = JsonResponse(error.body(), status=error.status)
-    for name, value in error.headers.items():
-        response[name] = value
-    return response
+    return _json_error(error)
 
 
 def _operators_only(view):
@@ -82,10 +86,7 @@ def engine_fleet(request: HttpRequest) -> JsonResponse:
     try:
         reports = fleet.replicas()
     except redis.RedisError as exc:
-        error = errors.limits_unavailable(exc)
-        response = JsonResponse(error.body(), status=error.status)
-        response["Retry-After"] = error.headers["Retry-After"]
-        return response
+        return _json_error(errors.limits_unavailable(exc))
     return JsonResponse({"replicas": reports, "totals": fleet.totals(reports)})
 
 

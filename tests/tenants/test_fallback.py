@@ -18,11 +18,15 @@ DEADLINE_S = 0.1
 PAUSE_MS = 3000  # far past the deadline: a call that waits for the pause fails the bound
 
 
-@pytest.fixture
-def limiter(redis, redis_server) -> FallbackLimiter:
+def fallback_limiter(redis, redis_server: str, share: float) -> FallbackLimiter:
     fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S, socket_connect_timeout=DEADLINE_S,
                                     retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
-    return FallbackLimiter(Limiter(fast), Limiter(redis), share=1.0)
+    return FallbackLimiter(Limiter(fast), Limiter(redis), share=share)
+
+
+@pytest.fixture
+def limiter(redis, redis_server) -> FallbackLimiter:
+    return fallback_limiter(redis, redis_server, share=1.0)
 
 
 @contextlib.contextmanager
@@ -106,9 +110,7 @@ def test_a_budget_during_a_stall_spends_only_the_room_redis_last_reported(limite
 
 
 def test_with_no_share_a_stall_refuses_instead(redis, redis_server):
-    fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S,
-                                    retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
-    closed = FallbackLimiter(Limiter(fast), Limiter(redis), share=0)
+    closed = fallback_limiter(redis, redis_server, share=0)
     with writes_paused(redis):
         with pytest.raises(LimitsUnavailable):
             closed.admit("tenant:1", 60, {"requests": (3, 1)})
@@ -119,9 +121,7 @@ def test_with_no_share_a_stall_refuses_instead(redis, redis_server):
 
 
 def test_a_share_of_one_half_grants_half_of_each_limit_alone(redis, redis_server):
-    fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S,
-                                    retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
-    half = FallbackLimiter(Limiter(fast), Limiter(redis), share=0.5)
+    half = fallback_limiter(redis, redis_server, share=0.5)
     with writes_paused(redis):
         taken = [half.acquire_lease("tenant:1", "streams", 4, ttl_s=30)[0] for _ in range(3)]
         assert [lease is not None for lease in taken] == [True, True, False]
