@@ -63,6 +63,22 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
+def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` ([rows, vocab], rows need not sum to 1), by inverse CDF.
+
+    Each row takes one uniform draw from its own generator, so a seeded request draws the same
+    tokens whatever its batch neighbours. The exponential race this replaced drew a whole
+    vocabulary of noise per row: 22 ms of a 16-row step against 1.2 ms (49k vocabulary, 2 cores),
+    which was half of a sampled batch's decode step."""
+    u = torch.cat([torch.rand(1, generator=g, device=g.device, dtype=torch.float64) for g in generators])
+    cdf = probs.double().cumsum(-1)  # fp64: an fp32 sum over 49k entries drifts by ~1e-3
+    total = cdf[:, -1]
+    # u < 1, and the rounding of u * total must not reach total: the first index whose cdf
+    # passes the target then always has a probability above zero.
+    target = torch.minimum(u.to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+
+
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator, argmax_rows=kernels.argmax_rows
 ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -87,11 +103,7 @@ def sample(
     if sampled:
         rows = [seqs[i] for i in sampled]
         probs = _filter(logits[sampled], rows)
-        for j, (i, seq) in enumerate(zip(sampled, rows)):
-            # Exponential race (argmax p/q, q ~ Exp(1)) draws from p with one call on the
-            # request's own generator, so seeded draws do not depend on batch neighbours.
-            noise = torch.empty_like(probs[j]).exponential_(1.0, generator=seq.generator or generator)
-            tokens[i] = (probs[j] / noise).argmax()
+        tokens[torch.tensor(sampled, device=logits.device)] = _draw(probs, [s.generator or generator for s in rows])
 
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)

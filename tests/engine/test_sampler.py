@@ -106,6 +106,24 @@ def test_draws_follow_the_softmax(params, expected):
     assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
 
 
+def test_a_token_of_zero_probability_is_never_drawn_even_at_the_edges_of_the_vocabulary():
+    # A 49,152-token vocabulary (SmolLM2's) whose first and last tokens are filtered out, with
+    # almost all the mass on them before the filter: an off-by-one at either end of the
+    # cumulative sum would draw them.
+    vocab, n = 49_152, 200
+    logits = torch.full((vocab,), -30.0)
+    logits[0] = logits[-1] = 10.0
+    logits[1] = logits[-2] = 5.0
+    logits[vocab // 2] = 4.0
+    tokens, _ = sample(logits.repeat(n, 1), [seq_with(SamplingParams(temperature=1.0, min_p=0.5)) for _ in range(n)],
+                       torch.Generator().manual_seed(7))
+    assert set(tokens) == {0, vocab - 1}  # min_p 0.5 keeps the two best
+    logits[0] = logits[-1] = -1e9  # now filtered: only the middle three may come out
+    tokens, _ = sample(logits.repeat(n, 1), [seq_with(SamplingParams(temperature=1.0, top_k=3)) for _ in range(n)],
+                       torch.Generator().manual_seed(8))
+    assert set(tokens) == {1, vocab - 2, vocab // 2}
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = LOGITS.softmax(-1)  # sorted: token 4 (0.52), 0 (0.19), 1 (0.12), 2 (0.07), ...
     order = probs.argsort(descending=True)
