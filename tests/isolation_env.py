@@ -25,8 +25,9 @@ TIERS: dict[str, dict] = {
     "zero-rpm": {"lane": 1, **{**BIG, "requests_per_minute": 0}},
     "zero-tpm": {"lane": 1, **{**BIG, "tokens_per_minute": 0}},
     "zero-streams": {"lane": 1, **{**BIG, "concurrent_streams": 0}},
-    # tests/reliability/test_slots_after_redis_blip.py: one generation at a time
-    "one-slot": {"lane": 1, **{**BIG, "concurrent_streams": 1}},
+    # tests/reliability/test_slots_after_redis_blip.py: one generation at a time, long enough to
+    # outlast the test's Redis outage (500 tokens ended inside it on a fast box)
+    "one-slot": {"lane": 1, **{**BIG, "concurrent_streams": 1, "max_tokens_per_request": 4096}},
     # tests/security/test_prefix_cache_isolation.py: a tier whose tenants share their prefix cache.
     "cache-sharing": {"lane": 1, **BIG, "share_prefix_cache": True},
     # tests/reliability/test_stalled_readers.py: streams long enough that the server must cut them.

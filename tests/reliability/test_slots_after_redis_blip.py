@@ -22,13 +22,14 @@ TENANT = "blip"
 TTL_S = 3.0  # STREAM_LEASE_TTL_S in tests/isolation_env.py
 
 
-def _drain(stream: SocketStream) -> None:
+def _drain(stream: SocketStream, ended: threading.Event) -> None:
     """Read the stream to its end (until the test closes it)."""
     try:
         while stream.next() is not None:
             pass
     except OSError:
         pass
+    ended.set()
 
 
 def _slots(live: LiveServer) -> int:
@@ -37,10 +38,13 @@ def _slots(live: LiveServer) -> int:
 
 def test_a_running_generation_keeps_its_slot_through_a_redis_outage_longer_than_the_ttl(hostile_live: LiveServer):
     key = hostile_live.keys[TENANT]
-    running = SocketStream(hostile_live.url, OPENAI_CHAT, key, chat_body(500, stream=True))
+    # 4000 tokens: tens of seconds on any box here. With 500 it once ended during the outage,
+    # and its slot freed honestly let the second generation in.
+    running = SocketStream(hostile_live.url, OPENAI_CHAT, key, chat_body(4000, stream=True))
+    ended = threading.Event()
     try:
         assert running.next() == Comment("ok")
-        threading.Thread(target=_drain, args=(running,), daemon=True).start()
+        threading.Thread(target=_drain, args=(running, ended), daemon=True).start()
         pid = int(redis.Redis.from_url(hostile_live.redis_url).info("server")["process_id"])
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -53,6 +57,7 @@ def test_a_running_generation_keeps_its_slot_through_a_redis_outage_longer_than_
         second = SocketStream(hostile_live.url, OPENAI_CHAT, key, chat_body(4, stream=True))
         try:
             second.next()
+            assert not ended.is_set(), "the first generation ended: the test needs it running"
             assert second.wire.status == 429, f"a second generation was admitted beside the first ({second.wire.status})"
         finally:
             second.close()
