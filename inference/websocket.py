@@ -176,8 +176,8 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
     async def _authenticated(self, caller: Caller) -> bool:
         """Take one of the key's socket slots and start watching the key; False (closed) if refused."""
         try:
-            self._socket_lease = await admission.run(quota.open_socket, caller.api_key, caller=f"key:{caller.api_key.prefix}",
-                                                     what="socket slot")
+            self._socket_lease = await admission.run(quota.open_socket, caller.api_key, what="socket slot",
+                                                     caller=admission.tenant_caller(caller.api_key.tenant_id))
         except ApiError as error:
             await self._close_with(error)
             return False
@@ -207,7 +207,8 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
         check tries again."""
         api_key = self.caller.api_key
         try:
-            fresh = await admission.run(reload_key, api_key.pk, caller=f"key:{api_key.prefix}", what="key re-check")
+            fresh = await admission.run(reload_key, api_key.pk, what="key re-check",
+                                        caller=admission.tenant_caller(api_key.tenant_id))
         except ApiError as error:
             if error.status != 401:
                 log.warning("websocket: could not re-check its key (%s); keeping the last answer", error.code)
@@ -239,7 +240,8 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
             request = protocol.parse_chat(body)
             if request.n != 1:
                 raise protocol.bad_request("WebSocket generations take n = 1; start several instead.", "n", "invalid_value")
-            decision = await admission.run(quota.admit_request, tenant, caller=f"tenant:{tenant.pk}", what="start admission")
+            decision = await admission.run(quota.admit_request, tenant, what="start admission",
+                                           caller=admission.tenant_caller(tenant.pk))
         except ApiError as error:
             return await self._error(gen_id, error)
         caller = Caller(self.caller.tenant, self.caller.api_key, decision)

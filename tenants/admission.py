@@ -95,6 +95,11 @@ def _call(fn: Callable[..., T], *args) -> T:
         raise errors.database_unavailable(exc) from None
 
 
+def tenant_caller(tenant_id: int) -> str:
+    """The caller every admission call of a tenant's requests runs as, once its key is known."""
+    return f"tenant:{tenant_id}"
+
+
 async def run(fn: Callable[..., T], *args, caller: str, what: str) -> T:
     """`fn(*args)` on the admission pool, as `caller`; `what` names it in the 503's log line.
 

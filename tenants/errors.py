@@ -124,6 +124,19 @@ def rate_limited(decision: Decision) -> ApiError:
     )
 
 
+def slot_queue_full(limit: int, waiting: int) -> ApiError:
+    """429 without a wait: all of a tenant's generations run and SLOT_WAITERS_PER_TENANT of its
+    requests already wait for one of them to end."""
+    return ApiError(
+        429,
+        f"Too many concurrent generations (each choice of a request is one): limit {limit}, and {waiting} of "
+        "your requests already wait for one to end. Try again in 1s, or when one of yours ends.",
+        type="streams",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
 def quota_exhausted(budget: int, seconds_to_reset: float) -> ApiError:
     return ApiError(
         429,

@@ -8,6 +8,8 @@ accepted, sent the error as one JSON text frame, and closed with code 4000 + HTT
 (4401, 4429): a plain handshake refusal would reach the client as a bare 403.
 """
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from tenants import admission, errors, keys, quota
@@ -25,23 +27,38 @@ def scope_header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+# Keys seen to authenticate in this process: prefix -> (digest, its tenant's admission caller).
+# A tenant's key and generation admissions then share one part of the pool (as two callers, one
+# tenant's burst of 400 held all eight threads), and a wrong secret for a known prefix is refused
+# on the event loop: a client that forges another tenant's public prefix never queues in that
+# tenant's part. Bounded, least recently seen dropped first; a key's digest never changes, and
+# revocation is still read from the database on every request.
+_KEYS_KEPT = 10_000
+_known_keys: OrderedDict[str, tuple[str, str]] = OrderedDict()
+_known_lock = threading.Lock()  # written on the pool's threads, read on the event loop
+
+
 def _authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     api_key = authenticate_bearer(header)
+    with _known_lock:
+        _known_keys[api_key.prefix] = (api_key.digest, admission.tenant_caller(api_key.tenant_id))
+        _known_keys.move_to_end(api_key.prefix)
+        while len(_known_keys) > _KEYS_KEPT:
+            _known_keys.popitem(last=False)
     decision = quota.admit_request(api_key.tenant)
     note_key_use(api_key)
     return api_key, decision
 
 
-def caller_of(header: str | None) -> str:
-    """Who an Authorization header claims to be, before anything is checked: its key's
-    public prefix, which is all the admission pool needs to keep callers apart."""
-    parsed = keys.parse(bearer_token(header) or "")
-    return f"key:{parsed.prefix}" if parsed else "key:?"
-
-
 async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
-    """Key and requests/min, on the admission pool; every refusal or failure is an ApiError."""
-    return await admission.run(_authenticate_and_admit, header, caller=caller_of(header), what="key admission")
+    """Key and requests/min, on the admission pool as the key's tenant when the key is known,
+    else as its public prefix; every refusal or failure is an ApiError."""
+    parsed = keys.parse(bearer_token(header) or "")
+    known = _known_keys.get(parsed.prefix) if parsed else None
+    if known is not None and not keys.matches(parsed.plaintext, known[0]):
+        raise errors.invalid_api_key()
+    caller = known[1] if known else (f"key:{parsed.prefix}" if parsed else "key:?")
+    return await admission.run(_authenticate_and_admit, header, caller=caller, what="key admission")
 
 
 class ApiKeyAuthMiddleware:

@@ -97,6 +97,8 @@ ENV: dict[str, str] = {
     # tests/security/test_websocket_limits.py
     "WS_MAX_SOCKETS_PER_KEY": "2",
     "WS_MAX_FRAMES_PER_S": "10",
+    # tests/security/test_generation_slots.py: two requests of a tenant wait for a slot, no more
+    "SLOT_WAITERS_PER_TENANT": "2",
     # tests/reliability/test_admission_isolation.py: a stuck admission answers 503 in seconds
     "ADMISSION_TIMEOUT_S": "4",
     # tests/reliability/test_slots_after_redis_blip.py: slots (renewed every second) lapse after
