@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
+from inference import heap
 from inference.engine.errors import ConfigError
 
 # The engine (and torch) are imported when the engine is built, not with this module:
@@ -118,6 +119,7 @@ class EngineHost:
             self._error = f"{type(exc).__name__}: {exc}"
             self._state = FAILED
         else:
+            heap.freeze()  # what the process holds now is never garbage: see inference.heap
             self.serve(async_engine)
             log.info("engine ready in %.1f s: %d KV blocks of %d tokens", time.monotonic() - self.started_at,
                      engine.block_manager.num_blocks, engine.block_manager.block_size)

@@ -146,6 +146,10 @@ def test_metrics_open_on_loopback(live: LiveServer):
     assert {s.labels["lane"] for s in families["llm_engine_requests_waiting"]} == {"P0", "P1", "P2"}
     assert families["llm_limits_local"][0].value == 0  # Redis answers (tests/reliability: while it stalls)
     assert families["llm_limits_fallbacks"][0].value >= 0
+    # The heap held once the engine loaded (the model, Django, Twisted) is out of the collector's
+    # walks (inference.heap); before, each full collection walked it, 190-330 ms with the GIL held.
+    assert families["process_gc_frozen_objects"][0].value > 100_000
+    assert {s.labels["generation"] for s in families["process_gc_pause_seconds"]} == {"0", "1", "2"}
 
 
 def test_metrics_through_a_proxy_need_the_token(live: LiveServer):
