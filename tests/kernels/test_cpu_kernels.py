@@ -787,7 +787,7 @@ ENGINE_MODEL = ModelConfig(
 )
 
 
-def greedy_runs(backend: str, dtype: torch.dtype):
+def greedy_runs(backend: str, dtype: torch.dtype, max_tokens: int = 20):
     """Each request's greedy tokens, with the log-probabilities of the top two at every step."""
     # The model resolves its ops (and its sampler's argmax) for `backend` when built.
     model = LlamaModel(ENGINE_MODEL, random_tensors(ENGINE_MODEL, seed=3, std=0.5), dtype, CPU, backend)
@@ -800,12 +800,12 @@ def greedy_runs(backend: str, dtype: torch.dtype):
     prefix = torch.randint(0, ENGINE_MODEL.vocab_size, (40,), generator=g).tolist()
     prompts = [torch.randint(0, ENGINE_MODEL.vocab_size, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70)]
     prompts += [prefix + [1, 2, 3], prefix + list(range(20))]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     return engine.generate(prompts, params)
 
 
-def greedy_tokens(backend: str, dtype: torch.dtype) -> list[tuple[int, ...]]:
-    return [c.token_ids for c in greedy_runs(backend, dtype)]
+def greedy_tokens(backend: str, dtype: torch.dtype, max_tokens: int = 20) -> list[tuple[int, ...]]:
+    return [c.token_ids for c in greedy_runs(backend, dtype, max_tokens)]
 
 
 def test_engine_greedy_output_is_identical_with_compiled_kernels_in_fp32():
