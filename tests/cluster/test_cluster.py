@@ -27,8 +27,9 @@ from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = {"rpm-10": {"lane": 1, **{**BIG, "requests_per_minute": 10}},
-         "streams-3": {"lane": 1, **{**BIG, "concurrent_streams": 3, "max_tokens_per_request": 2048}}}
-TENANTS = {"rpm": "rpm-10", "streams": "streams-3"}
+         "streams-3": {"lane": 1, **{**BIG, "concurrent_streams": 3, "max_tokens_per_request": 2048}},
+         "routing": {"lane": 1, **BIG}}
+TENANTS = {"rpm": "rpm-10", "streams": "streams-3", "routing": "routing"}
 
 
 def _fleet(server: LiveServer) -> list[dict]:
@@ -134,6 +135,45 @@ def test_concurrent_generations_hold_across_replicas(cluster):
                                                   "max_tokens": 2}) != 200:
         assert time.monotonic() < deadline, "the slots of closed streams never came back"
         time.sleep(0.5)
+
+
+def _fleet_totals(server: LiveServer, finished: int) -> dict:
+    """The fleet's totals once its heartbeats report `finished` requests ended."""
+    deadline = time.monotonic() + 30
+    while (totals := server.get_json("/api/v1/engine/fleet", token=server.internal_token)["totals"]).get(
+            "finished_requests", 0) < finished:
+        assert time.monotonic() < deadline, f"the fleet never reported {finished} finished requests: {totals}"
+        time.sleep(0.2)
+    return totals
+
+
+def _share_of_prefill_saved(server: LiveServer, urls: list[str], system: str, headers: dict[str, str]) -> float:
+    """32 chats of one tenant with the same 512-token system prompt, sent one after another to
+    `urls` in turn: the share of their prompt tokens the fleet served from a prefix cache."""
+    before = _fleet_totals(server, 0)
+    for i in range(32):
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}],
+                "max_tokens": 1}
+        request = urllib.request.Request(urls[i % len(urls)] + OPENAI_CHAT, data=json.dumps(body).encode(), headers={
+            "Authorization": f"Bearer {server.keys['routing']}", "Content-Type": "application/json", **headers})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read())["usage"]["prompt_tokens"] >= 512
+    after = _fleet_totals(server, before["finished_requests"] + 32)
+    return (after["prefix_hit_tokens"] - before["prefix_hit_tokens"]) / (after["prompt_tokens"] - before["prompt_tokens"])
+
+
+def test_a_prompt_cache_key_keeps_a_shared_prompt_on_one_replica(cluster, capsys):
+    """Through nginx with one X-Prompt-Cache-Key, 32 requests sharing a 512-token system prompt
+    are computed once by one replica; sent round robin, each replica computes it once."""
+    server, _ = cluster
+    system = "You are a meticulous assistant who answers in one word. " * 50  # ~600 tokens
+    routed = _share_of_prefill_saved(server, [server.url], "Routed. " + system, {"X-Prompt-Cache-Key": "faq-bot"})
+    round_robin = _share_of_prefill_saved(server, [r["url"] for r in _fleet(server)], "Round robin. " + system, {})
+    with capsys.disabled():
+        print(f"\n  prefill saved by the prefix cache, 32 requests: {routed:.1%} with a routing key through nginx, "
+              f"{round_robin:.1%} round robin over the two replicas")
+    assert routed >= 0.90
+    assert routed > round_robin
 
 
 def test_ctrl_c_stops_every_process(cluster):

@@ -117,3 +117,32 @@ def test_the_replica_sees_a_proxied_client_as_remote(proxy: Proxy):
     # nginx adds X-Forwarded-For, so loopback's free pass to /metrics does not apply through it.
     assert requests.get(proxy.server.url + "/metrics", timeout=TIMEOUT_S).status_code == 200
     assert requests.get(proxy.url + "/metrics", timeout=TIMEOUT_S).status_code == 401
+
+
+def _first_token_s(url: str, key: str) -> float:
+    started = time.monotonic()
+    stream = SocketStream(url, OPENAI_CHAT, key, chat_body(4, content="Say hi.", stream=True))
+    try:
+        while (event := stream.next_event()) is not None:
+            choices = event.json()["choices"] if event.data != "[DONE]" else []
+            if choices and choices[0]["delta"].get("content"):
+                return time.monotonic() - started
+    finally:
+        stream.close()
+    raise AssertionError("the stream ended without a token")
+
+
+def test_first_token_through_nginx_beside_straight_to_the_replica(proxy: Proxy, capsys):
+    """Every stream through nginx brings its first token; nginx's cost to it is printed, a
+    benchmark and not a timed assertion (docs/benchmarks.md keeps the numbers). Alternated,
+    so both paths see the same box."""
+    key = proxy.server.keys["proxied"]
+    _first_token_s(proxy.server.url, key)  # the prompt in the prefix cache for both
+    through, direct = [], []
+    for _ in range(10):
+        through.append(_first_token_s(proxy.url, key))
+        direct.append(_first_token_s(proxy.server.url, key))
+    through_ms, direct_ms = sorted(through)[5] * 1000, sorted(direct)[5] * 1000
+    with capsys.disabled():
+        print(f"\n  TTFT median of 10: through nginx {through_ms:.1f} ms, straight to the replica {direct_ms:.1f} ms, "
+              f"nginx adds {through_ms - direct_ms:+.1f} ms")
