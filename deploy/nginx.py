@@ -10,11 +10,16 @@ import os
 from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().parent / "nginx.conf"
-FAIL_TIMEOUT_S = 5  # a replica that refused a connection is skipped this long
 
 
 def render(listen: str, upstreams: list[str], run_dir: str, max_body: str) -> str:
-    servers = "\n".join(f"        server {u} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;" for u in upstreams)
+    # max_fails=0: nginx's passive marking let a replica back only through one probe request
+    # per fail_timeout and counted it failed until that probe completed; with a stream as the
+    # probe, a replica refused once while loading stayed out of its worker's rotation for the
+    # stream's whole life, and when the other replica died every request got 502 "no live
+    # upstreams" (tests/cluster's kill -9 test). Every request now tries its hashed replica and
+    # goes on to the next when the connect is refused (proxy_next_upstream).
+    servers = "\n".join(f"        server {u} max_fails=0;" for u in upstreams)
     fields = {"@LISTEN@": listen, "@UPSTREAMS@": servers, "@RUN_DIR@": run_dir, "@MAX_BODY@": max_body}
     text = TEMPLATE.read_text()
     for name, value in fields.items():
