@@ -17,7 +17,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -77,6 +77,16 @@ def finish_reasons(choices: Sequence[Choice]) -> str:
     return ",".join(sorted({c.finish_reason or "abort" for c in choices}))
 
 
+# The usage rows this process has open: key -> (attempt, the tokens generated so far). The fleet's
+# heartbeat reports them, so a sweep can complete the rows of a replica that died (inference.sweep).
+_open_rows: dict[str, tuple[int, Callable[[], int]]] = {}
+
+
+def open_rows_progress() -> dict[str, str]:
+    """Each open row's `attempt:tokens generated so far` (read from the heartbeat's thread)."""
+    return {key: f"{attempt}:{generated()}" for key, (attempt, generated) in list(_open_rows.items())}
+
+
 @dataclass
 class UsageRow:
     """One generation's usage row in the ledger: `key` is one per generation unless given (a
@@ -91,11 +101,16 @@ class UsageRow:
     model: str = ""
     created: str = ""  # admission time, ISO 8601
     journaled: bool = False
+    replica: str = ""
 
-    def open(self, lane: int, model: str, prompt_tokens: int) -> None:
+    def open(self, lane: int, model: str, prompt_tokens: int, generated: Callable[[], int]) -> None:
         """Journal the row before the engine sees the request: whatever happens next, it is
-        billed. No journal (disk full, folder gone): a 503, so nothing is served unbilled."""
+        billed. No journal (disk full, folder gone): a 503, so nothing is served unbilled.
+        `generated` counts the tokens so far, for the fleet's heartbeat to report."""
+        from inference import fleet  # the fleet reads the engine's host, which reads settings
+
         self.lane, self.model, self.created = lane, model, timezone.now().isoformat()
+        self.replica = fleet.instance()
         try:
             ledger().submit(self._entry("open", Usage(prompt_tokens=prompt_tokens)))
         except OSError as exc:
@@ -103,11 +118,13 @@ class UsageRow:
             raise ApiError(503, "The service is temporarily unavailable.", type="server_error",
                            code="service_unavailable", headers={"Retry-After": "5"}) from None
         self.journaled = True
+        _open_rows[self.key] = (self.attempt, generated)
 
     def record(self, usage: Usage, choices: Sequence[Choice], started_at: float,
                first_token_at: float | None) -> concurrent.futures.Future | None:
         """Close the row with `usage` (some choice ran), or void it (admitted, nothing ran).
         Returns the close's write, to wait for, or None."""
+        self.untrack()
         if choices:
             now = time.monotonic()
             return ledger().submit(self._entry(
@@ -120,11 +137,16 @@ class UsageRow:
             ledger().submit(self._entry("void", Usage()))
         return None
 
+    def untrack(self) -> None:
+        """No longer report the row's progress (it is recorded, or recording it failed)."""
+        _open_rows.pop(self.key, None)
+
     def _entry(self, op: str, usage: Usage, **timings) -> UsageEntry:
         return UsageEntry(
             op=op, key=self.key, tenant_id=self.tenant_id, lane=self.lane, created=self.created,
             api_key_id=self.api_key_id, request_id=self.request_id, model=self.model, attempt=self.attempt,
-            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, **timings,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, replica=self.replica,
+            **timings,
         )
 
 

@@ -6,6 +6,10 @@ A replica writes `fleet:replica:<id>` (its id, host, pid, url, state and the sam
 id in the `fleet:replicas` set. A replica that dies stops writing, so its entry expires: it
 leaves the fleet within three heartbeats. One that stops cleanly deletes its entry at once.
 Redis away: the heartbeat logs once and keeps trying; the fleet view answers 503.
+
+Each beat also reports the process's open usage rows and their tokens so far
+(`fleet:progress:<instance>`), and every SWEEP_EVERY_BEATS beats the heartbeat thread
+completes the rows of processes that left the fleet without closing them (inference.sweep).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from numbers import Number
 
@@ -32,6 +37,8 @@ log = logging.getLogger(__name__)
 
 MEMBERS = "fleet:replicas"
 MISSED_BEATS = 3  # an entry lives this many heartbeats unless renewed
+SWEEP_EVERY_BEATS = 5  # how often a replica looks for usage rows of dead ones (inference.sweep)
+PROGRESS_TTL_MS = 24 * 3600 * 1000  # a dead replica's last progress report waits this long for a sweep
 
 
 def local_stats() -> dict:
@@ -81,6 +88,11 @@ def _entry_key(replica_id: str) -> str:
     return f"fleet:replica:{replica_id}"
 
 
+def progress_key(instance: str) -> str:
+    """Where a replica process reports its open usage rows' tokens so far (inference.sweep)."""
+    return f"fleet:progress:{instance}"
+
+
 def replica_id() -> str:
     """REPLICA_ID, else this host and process (unique while the process lives)."""
     return settings.REPLICA_ID or f"{socket.gethostname()}-{os.getpid()}"
@@ -90,9 +102,14 @@ class Heartbeat:
     """Reports `report()` (this replica's stats) to Redis every `period_s`, from a thread."""
 
     def __init__(self, report: Callable[[], dict], period_s: float, ident: str | None = None,
-                 url: str | None = None, client: Callable[[], redis.Redis] = shared_redis.client) -> None:
-        self.report, self.period_s = report, period_s
+                 url: str | None = None, client: Callable[[], redis.Redis] = shared_redis.client,
+                 progress: Callable[[], dict[str, str]] = dict,
+                 sweep: Callable[[redis.Redis], object] | None = None) -> None:
+        self.report, self.period_s, self.progress, self.sweep = report, period_s, progress, sweep
         self.id = ident or replica_id()
+        # This process, as its usage rows name it: a replica restarted under the same id is
+        # another instance, whose predecessor's open rows the sweep completes.
+        self.instance = f"{self.id}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.url = url if url is not None else settings.REPLICA_URL
         self._client = client
         self._stop = threading.Event()
@@ -107,15 +124,21 @@ class Heartbeat:
     def beat(self) -> None:
         """One report, now (raises RedisError)."""
         stats = self.report()
-        entry = {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "url": self.url,
-                 "state": stats.get("state", "unknown"), "last_seen": time.time(), "stats": stats}
+        entry = {"id": self.id, "instance": self.instance, "host": socket.gethostname(), "pid": os.getpid(),
+                 "url": self.url, "state": stats.get("state", "unknown"), "last_seen": time.time(), "stats": stats}
+        progress = self.progress()
         client = self._client()
         pipe = client.pipeline()
         pipe.set(_entry_key(self.id), json.dumps(entry), px=round(self.period_s * MISSED_BEATS * 1000))
         pipe.sadd(MEMBERS, self.id)
+        pipe.delete(progress_key(self.instance))
+        if progress:
+            pipe.hset(progress_key(self.instance), mapping=progress)
+            pipe.pexpire(progress_key(self.instance), PROGRESS_TTL_MS)
         pipe.execute()
 
     def _run(self) -> None:
+        beats = 0
         while not self._stop.is_set():
             try:
                 self.beat()
@@ -127,6 +150,12 @@ class Heartbeat:
                 if self._failing:
                     log.info("fleet heartbeat of %s is back", self.id)
                 self._failing = False
+                beats += 1
+                if self.sweep is not None and beats % SWEEP_EVERY_BEATS == 0:
+                    try:
+                        self.sweep(self._client())
+                    except Exception:  # the database or Redis away: the next pass tries again
+                        log.exception("usage sweep of %s failed", self.id)
             self._stop.wait(self.period_s)
 
     def stop(self) -> None:
@@ -136,10 +165,15 @@ class Heartbeat:
             self._thread.join(timeout=self.period_s + 1)
         try:
             client = self._client()
-            client.delete(_entry_key(self.id))
+            client.delete(_entry_key(self.id), progress_key(self.instance))
             client.srem(MEMBERS, self.id)
         except redis.RedisError as exc:  # it expires by itself
             log.warning("replica %s could not leave the fleet: %s", self.id, exc)
+
+
+def instance() -> str:
+    """This process's instance in the fleet ("" until it joins: its usage rows are then never swept)."""
+    return _heartbeat.instance if _heartbeat is not None else ""
 
 
 def replicas(client: redis.Redis | None = None) -> list[dict]:
@@ -183,8 +217,12 @@ def join() -> None:
     global _heartbeat
     if _heartbeat is not None:
         return
+    from inference import billing, sweep  # both read this module
+
     with _heartbeat_lock:
         if _heartbeat is None:
-            _heartbeat = Heartbeat(local_stats, settings.FLEET_HEARTBEAT_S)
+            heartbeat = Heartbeat(local_stats, settings.FLEET_HEARTBEAT_S, progress=billing.open_rows_progress)
+            heartbeat.sweep = sweep.Sweeper(heartbeat.instance, settings.FLEET_HEARTBEAT_S)
+            _heartbeat = heartbeat
             _heartbeat.start()
             atexit.register(_heartbeat.stop)  # daphne sends no lifespan shutdown; SIGTERM exits

@@ -133,7 +133,8 @@ class Generation:
         choices = request.n * len(self.prompt_token_ids)
         prompt_tokens = sum(len(p) for p in self.prompt_token_ids)
         await self.holds.reserve_tokens(request, prompt_tokens, max_tokens, choices, metered=self.metered)
-        self.row.open(self.lane, self.model, prompt_tokens)  # journaled before the engine sees the request
+        # Journaled before the engine sees the request.
+        self.row.open(self.lane, self.model, prompt_tokens, lambda: sum(c.num_tokens for c in self.streams.choices))
         await self.streams.submit(engine, request, self.prompt_token_ids, max_tokens, self.lane, self.tenant)
 
     # -- streaming ------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class Generation:
             self.usage = billing.count_usage(self.prompt_token_ids, self.choices)
             written = self.row.record(self.usage, self.choices, self._started_at, self.streams.first_token_at)
         except Exception:
+            self.row.untrack()
             log.exception("generation %s: recording usage failed", self.id)
         if self.holds.tokens is not None:
             used = self.usage.total_tokens if self.choices else 0

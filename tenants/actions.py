@@ -164,20 +164,26 @@ def record_usage(
     return record
 
 
+# The finish reason of a usage row completed by the sweep (inference.sweep), not by its replica.
+LOST_REPLICA = "replica_lost"
+
+
 def apply_usage(entry: UsageEntry) -> None:
     """Write one ledger entry to its usage row; idempotent, so the ledger may retry it.
 
     `open` creates the row (prompt tokens, not closed); `close` completes it; `void` removes
     it (nothing ran). A batch item's later attempt replaces an earlier attempt's row and
     gives that attempt's tokens back to the monthly counter: the item is billed once.
-    Entries of an attempt older than the row's are stale and change nothing.
+    Entries of an attempt older than the row's are stale and change nothing. A row the sweep
+    completed (its replica had left the fleet: `LOST_REPLICA`) takes the attempt's own close
+    if that arrives after all, and gives back what the sweep had counted.
     """
     fields = {
         "tenant_id": entry.tenant_id, "api_key_id": entry.api_key_id, "request_id": entry.request_id[:64],
         "model": entry.model[:128], "lane": Lane(entry.lane), "attempt": entry.attempt,
         "prompt_tokens": entry.prompt_tokens, "completion_tokens": entry.completion_tokens,
         "ttft_ms": entry.ttft_ms, "latency_ms": entry.latency_ms, "finish_reason": entry.finish_reason[:32],
-        "created": entry.created_at, "closed": entry.op == "close",
+        "created": entry.created_at, "closed": entry.op == "close", "replica": entry.replica[:100],
     }
     replaced = None
     with transaction.atomic():
@@ -189,9 +195,11 @@ def apply_usage(entry: UsageEntry) -> None:
         if row is None:
             UsageRecord.objects.create(key=entry.key, **fields)
             return
-        if entry.attempt < row.attempt or (entry.attempt == row.attempt and (row.closed or entry.op == "open")):
+        swept = row.closed and row.finish_reason == LOST_REPLICA and entry.op == "close"
+        if entry.attempt < row.attempt or (entry.attempt == row.attempt and not swept
+                                           and (row.closed or entry.op == "open")):
             return  # stale, or already written (a retry of a write that had landed)
-        if entry.attempt > row.attempt and row.closed:
+        if (entry.attempt > row.attempt and row.closed) or swept:
             replaced = (row.total_tokens, row.created)
         for name, value in fields.items():
             setattr(row, name, value)

@@ -77,6 +77,7 @@ class UsageEntry:
     ttft_ms: int | None = None
     latency_ms: int | None = None
     finish_reason: str = ""
+    replica: str = ""  # the serving process (inference.fleet.instance()), "" outside the fleet
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

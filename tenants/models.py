@@ -107,6 +107,9 @@ class UsageRecord(models.Model):
     key = models.CharField(max_length=128, null=True, blank=True, unique=True, editable=False)
     attempt = models.PositiveIntegerField(default=0, editable=False)
     closed = models.BooleanField(default=True, help_text="False while the request runs (or if its server died).")
+    # The web process serving the request (inference.fleet.instance()): when it leaves the fleet
+    # with the row open, another replica completes the row (inference.sweep).
+    replica = models.CharField(max_length=100, blank=True, editable=False)
     request_id = models.CharField(max_length=64, blank=True)
     model = models.CharField(max_length=128, blank=True)
     lane = models.PositiveSmallIntegerField(choices=Lane.choices)
@@ -119,7 +122,10 @@ class UsageRecord(models.Model):
 
     class Meta:
         ordering = ["-created"]
-        indexes = [models.Index(fields=["tenant", "created"])]
+        indexes = [
+            models.Index(fields=["tenant", "created"]),
+            models.Index(fields=["replica"], condition=models.Q(closed=False), name="usage_open_by_replica"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.tenant_id}: {self.total_tokens} tokens"

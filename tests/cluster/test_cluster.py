@@ -6,20 +6,26 @@ test's own. The bounds on waiting are hang guards, not speed claims.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
+import redis as redis_lib
 
+from tenants.limits import Limiter
+from tests.batches.conftest import chat_lines, read_jsonl, wait_for
 from tests.conftest import free_port, start_redis
 from tests.isolation_env import BIG
 from tests.live import DEFAULT_ENV, TENANTS_SCRIPT, LiveServer, _database, http_status
@@ -28,8 +34,9 @@ from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = {"rpm-10": {"lane": 1, **{**BIG, "requests_per_minute": 10}},
          "streams-3": {"lane": 1, **{**BIG, "concurrent_streams": 3, "max_tokens_per_request": 2048}},
-         "routing": {"lane": 1, **BIG}}
-TENANTS = {"rpm": "rpm-10", "streams": "streams-3", "routing": "routing"}
+         "routing": {"lane": 1, **BIG},
+         "kill": {"lane": 1, **BIG, "allow_batch": True}}
+TENANTS = {"rpm": "rpm-10", "streams": "streams-3", "routing": "routing", "kill": "kill"}
 
 
 def _fleet(server: LiveServer) -> list[dict]:
@@ -49,6 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     env.update(DEFAULT_ENV)
     env.update(PORT=str(port), RUN_DIR=str(tmp / "run"), DATABASE_URL=db_url, REDIS_URL=redis_url, REPLICAS="2",
                INTERNAL_API_TOKEN=token, FLEET_HEARTBEAT_S="1", STATIC_ROOT=str(tmp / "static"),
+               STREAM_LEASE_TTL_S="3",  # a killed replica's slots lapse within the test's patience
                USAGE_OUTBOX_DIR=str(tmp / "outbox"), DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
     log_path = tmp / "cluster.log"
     server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
@@ -174,6 +182,111 @@ def test_a_prompt_cache_key_keeps_a_shared_prompt_on_one_replica(cluster, capsys
               f"{round_robin:.1%} round robin over the two replicas")
     assert routed >= 0.90
     assert routed > round_robin
+
+
+def _read_to_end(stream: SocketStream, outcome: dict) -> None:
+    """Read a stream until it ends; note its request id, whether it saw [DONE] and its tokens."""
+    try:
+        while (event := stream.next_event()) is not None:
+            if event.data == "[DONE]":
+                outcome["done"] = True
+                break
+            data = event.json()
+            outcome.setdefault("id", data.get("id"))
+            outcome["events"] = outcome.get("events", 0) + 1
+    except OSError as exc:  # a reset: as much an end for the client as EOF
+        outcome["error"] = repr(exc)
+    finally:
+        outcome["ended"] = True
+        stream.close()
+
+
+def test_a_replica_killed_mid_stream_leaves_nothing_unbilled_hung_or_done_twice(cluster):
+    server, _ = cluster
+    key = server.keys["kill"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    uploaded = client.files.create(file=("b.jsonl", io.BytesIO(chat_lines(100, max_tokens=16).encode())),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    # 20 streams through nginx, spread over both replicas by their routing keys.
+    outcomes = [{} for _ in range(20)]
+    threads = []
+    for i, outcome in enumerate(outcomes):
+        stream = SocketStream(server.url, OPENAI_CHAT, key, chat_body(400, stream=True),
+                              headers={"X-Prompt-Cache-Key": f"user-{i}"})
+        threads.append(threading.Thread(target=_read_to_end, args=(stream, outcome), daemon=True))
+        threads[-1].start()
+    deadline = time.monotonic() + 120
+    while not all(o.get("events") for o in outcomes):
+        assert time.monotonic() < deadline, f"streams never started: {outcomes}"
+        time.sleep(0.1)
+    time.sleep(2.5)  # two heartbeats report the streams' tokens so far
+    running = {r["pid"]: r["stats"]["requests_running"] for r in _fleet(server)}
+    victim = max(running, key=running.get)
+    assert running[victim] > 0, running
+    victim_url = next(r["url"] for r in _fleet(server) if r["pid"] == victim)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # Dead once its port refuses connections: a request sent in the instant before, while the
+    # kernel still accepted for it, is reset after it was sent, and nginx never resends a POST.
+    while http_status(victim_url + "/healthz") != 0:
+        assert time.monotonic() - killed_at < 10, "the killed replica still answers"
+        time.sleep(0.01)
+
+    # Every request started after the kill is served: nginx retries a refused connect elsewhere.
+    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    after = [_status(server.url + OPENAI_CHAT, key, {**body, "prompt_cache_key": f"after-{i}"}) for i in range(10)]
+    assert after == [200] * 10
+
+    # The fleet drops the dead process within three heartbeats (its successor may be loading).
+    while victim in {r["pid"] for r in _fleet(server)}:
+        assert time.monotonic() - killed_at < 3 * 1 + 2, "the killed replica stayed in the fleet"
+        time.sleep(0.2)
+
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(o.get("ended") for o in outcomes), "a stream cut by the kill never ended for its client"
+    cut = [o for o in outcomes if not o.get("done")]
+    assert cut and len(cut) < len(outcomes), f"{len(cut)} of 20 streams were cut"
+
+    # Every stream's usage row is complete: the cut ones by the sweep, with the tokens their
+    # replica last reported.
+    ids = [o["id"] for o in outcomes]
+    query = f"""
+from tenants.models import UsageRecord
+rows = UsageRecord.objects.filter(request_id__in={ids!r})
+result = [[r.request_id, r.closed, r.finish_reason, r.completion_tokens] for r in rows]
+"""
+    deadline = time.monotonic() + 90
+    while not ((rows := server.django(query)) and len(rows) == 20 and all(closed for _, closed, _, _ in rows)):
+        assert time.monotonic() < deadline, f"usage rows still open: {rows}"
+        time.sleep(1)
+    by_id = {request_id: (reason, tokens) for request_id, _, reason, tokens in rows}
+    for outcome in cut:
+        reason, tokens = by_id[outcome["id"]]
+        assert reason == "replica_lost" and tokens > 0, (reason, tokens, outcome)
+
+    # Its slots came back (they lapse by their TTL: 3 s here).
+    limiter = Limiter(redis_lib.Redis.from_url(server.redis_url))
+    deadline = time.monotonic() + 30
+    while limiter.leases_held(f"tenant:{server.tenant_ids['kill']}", "streams"):
+        assert time.monotonic() < deadline, "the killed replica's slots never came back"
+        time.sleep(0.5)
+
+    # The batch that ran meanwhile completes, every item once.
+    done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b, 420,
+                    what="the batch to complete")
+    assert done.status == "completed" and done.request_counts.completed == 100, done
+    lines = read_jsonl(client.files.content(done.output_file_id).text)
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(100))
+    billed = server.django(f"""
+from tenants.models import UsageRecord
+rows = UsageRecord.objects.filter(tenant_id={server.tenant_ids['kill']},
+                                  request_id__startswith="batchreq-{batch.id.removeprefix('batch_')}-")
+result = [rows.count(), rows.filter(closed=True).count()]
+""")
+    assert billed == [100, 100]
 
 
 def test_ctrl_c_stops_every_process(cluster):
