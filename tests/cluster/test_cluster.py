@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -57,6 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     env.update(PORT=str(port), RUN_DIR=str(tmp / "run"), DATABASE_URL=db_url, REDIS_URL=redis_url, REPLICAS="2",
                INTERNAL_API_TOKEN=token, FLEET_HEARTBEAT_S="1", STATIC_ROOT=str(tmp / "static"),
                STREAM_LEASE_TTL_S="3",  # a killed replica's slots lapse within the test's patience
+               DEBUG="0",  # as in production: the console's CSS and scripts come from collectstatic
                USAGE_OUTBOX_DIR=str(tmp / "outbox"), DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
     log_path = tmp / "cluster.log"
     server = LiveServer(url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}", redis_url=redis_url,
@@ -112,6 +114,40 @@ def test_the_fleet_lists_both_replicas_behind_nginx(cluster):
     totals = server.get_json("/api/v1/engine/fleet", token=server.internal_token)["totals"]
     assert totals["replicas_ready"] == 2
     assert totals["kv_blocks_total"] == sum(r["stats"]["kv_blocks_total"] for r in replicas)
+
+
+def test_the_console_engine_page_shows_both_replicas_through_nginx_with_debug_off(cluster):
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.console.test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS, require_browser
+
+    require_browser()
+    server, _ = cluster
+    password = (Path(server.env["RUN_DIR"]) / "admin-password").read_text().strip()  # make cluster's admin
+    expect.set_options(timeout=TIMEOUT_MS)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(base_url=server.url, viewport={"width": 1280, "height": 900})
+            page.goto("/admin/login/?next=/console/engine/")
+            page.fill("#id_username", "admin")
+            page.fill("#id_password", password)
+            page.click("input[type=submit]")
+            page.wait_for_url(re.compile(r"/console/engine/$"))
+            expect(page.locator("header")).to_have_css("background-color", "rgb(31, 58, 95)")  # its CSS loaded
+            rows = page.locator("#replicas tr[data-replica]")
+            expect(rows).to_have_count(2)
+            expect(rows.locator("td:nth-child(3)")).to_have_text(["ready", "ready"])
+            expect(rows.locator("td:nth-child(2)")).to_have_text([r["url"] for r in _fleet(server)])  # by id
+            totals = server.get_json("/api/v1/engine/fleet", token=server.internal_token)["totals"]
+            total = page.locator("#replicas-total")
+            expect(total.locator("th")).to_have_text("all 2")
+            expect(total.locator("td:nth-child(3)")).to_have_text("2 ready")
+            expect(total.locator("td:nth-child(7)")).to_have_text(f"0 of {totals['kv_blocks_total']}")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "engine-two-replicas.png"), full_page=True)
+        finally:
+            browser.close()
 
 
 def test_requests_per_minute_hold_across_replicas(cluster):
