@@ -26,6 +26,7 @@ from collections.abc import Callable
 from numbers import Number
 
 import redis
+from django import db
 from django.conf import settings
 
 from config import redis as shared_redis
@@ -156,6 +157,8 @@ class Heartbeat:
                         self.sweep(self._client())
                     except Exception:  # the database or Redis away: the next pass tries again
                         log.exception("usage sweep of %s failed", self.id)
+                    finally:
+                        db.connections.close_all()  # this thread's own: each pass connects anew
             self._stop.wait(self.period_s)
 
     def stop(self) -> None:

@@ -23,7 +23,6 @@ import logging
 import time
 
 import redis
-from django import db
 
 from inference import fleet
 from tenants import quota
@@ -49,7 +48,6 @@ class Sweeper:
             return self._sweep(client)
         finally:
             client.delete(LOCK)
-            db.connections.close_all()  # this thread's: the next pass reconnects
 
     def _sweep(self, client: redis.Redis) -> int:
         live = {report.get("instance") for report in fleet.replicas(client)} | {self.own}
