@@ -64,19 +64,21 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of `probs` ([rows, vocab], rows need not sum to 1), by inverse CDF.
+    """One token per row of `probs` ([rows, vocab], rows need not sum to 1), by the exponential
+    race: each row's largest p / E, with E = -log U and U uniform from the row's own generator,
+    so a seeded request draws the same tokens whatever its batch neighbours.
 
-    Each row takes one uniform draw from its own generator, so a seeded request draws the same
-    tokens whatever its batch neighbours. The exponential race this replaced drew a whole
-    vocabulary of noise per row: 22 ms of a 16-row step against 1.2 ms (49k vocabulary, 2 cores),
-    31-37% of the engine thread under 16 sampled streams (py-spy)."""
-    u = torch.cat([torch.rand(1, generator=g, device=g.device, dtype=torch.float64) for g in generators])
-    cdf = probs.double().cumsum(-1)  # fp64: an fp32 sum over 49k entries drifts by ~1e-3
-    total = cdf[:, -1]
-    # u < 1, and the rounding of u * total must not reach total: the first index whose cdf
-    # passes the target then always has a probability above zero.
-    target = torch.minimum(u.to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    A draw changes only where two tokens nearly tie, so a seeded request also keeps its tokens
+    when its probabilities move by rounding (a cached prompt or another batch size changes the
+    bf16 matmuls): with logits moved by 1e-3 relative, 0 of 200 seeded draws changed, against
+    62 of 200 drawn by inverse CDF, which one uniform per row sends to a different tail token
+    on any shift of the cumulative sum (seeded n=2 completions then differed between identical
+    requests). Uniforms and one log for the batch: 5.7 ms for 16 rows of 49k tokens on 2 cores,
+    against 11-12 ms for exponential_() per row and 4.0 ms by inverse CDF."""
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators):
+        torch.rand(row.shape, generator=generator, device=row.device, dtype=row.dtype, out=row)
+    return (probs / noise.log_().neg_()).argmax(-1)
 
 
 def sample(
