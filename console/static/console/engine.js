@@ -37,8 +37,9 @@
 
   function renderFleet(s) {
     const body = $("replicas").tBodies[0];
+    const foot = $("replicas").tFoot.rows[0];
     body.replaceChildren();
-    for (const cell of $("replicas").tFoot.rows[0].cells) cell.textContent = "";
+    for (const cell of foot.cells) cell.textContent = "";
     const rows = s.fleet;  // null: Redis did not answer
     if (!rows || !rows.length) {
       const cell = body.insertRow().insertCell();
@@ -58,8 +59,6 @@
     // The fleet's totals, summed as GET /api/v1/engine/fleet sums them.
     const sum = (key) => rows.reduce((total, r) => total + (r[key] || 0), 0);
     const ready = rows.filter((r) => r.state === "ready").length;
-    const foot = $("replicas").tFoot.rows[0];
-    foot.dataset.replicas = rows.length;
     for (const [i, text] of [`all ${rows.length}`, "", `${ready} ready`, fmt(sum("requests_running")), fmt(sum("requests_in_flight")),
                              fmt(sum("tokens_per_s"), 1), `${sum("kv_blocks_used")} of ${sum("kv_blocks_total")}`, ""].entries()) {
       foot.cells[i].textContent = text;
