@@ -237,6 +237,8 @@ INFERENCE = {
     # request (0: never), at most one step in CROWD_SIT_OUT_EVERY: see EngineConfig.
     "CROWD_SIT_OUT_SEQS": env.int("INFERENCE_CROWD_SIT_OUT_SEQS", default=4),
     "CROWD_SIT_OUT_EVERY": env.int("INFERENCE_CROWD_SIT_OUT_EVERY", default=4),
+    # Prompt tokens a tenant with CROWD_SIT_OUT_SEQS sequences in a step computes in it (0: no cap).
+    "CROWD_PREFILL_TOKENS": env.int("INFERENCE_CROWD_PREFILL_TOKENS", default=64),
     # Which kernels the model runs: auto (Triton on CUDA, the compiled CPU kernels where they
     # build, else the PyTorch references), or reference, triton or cpu to force one.
     "KERNELS": env.str("KERNELS", default="auto").strip().lower() or "auto",

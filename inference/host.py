@@ -56,6 +56,7 @@ def engine_config() -> EngineConfig:
         tenant_queue_share=conf["TENANT_QUEUE_SHARE"],
         crowd_sit_out_seqs=conf["CROWD_SIT_OUT_SEQS"],
         crowd_sit_out_every=conf["CROWD_SIT_OUT_EVERY"],
+        crowd_prefill_tokens=conf["CROWD_PREFILL_TOKENS"],
         kernels=conf["KERNELS"],
         cache_dir=conf["CACHE_DIR"] or None,
     )

@@ -108,6 +108,12 @@ class EngineConfig:
     # packaged model: a 40-token prefill alone 72 ms, beside 16 decodes 98 ms).
     crowd_sit_out_seqs: int = 4
     crowd_sit_out_every: int = 4
+    # Prompt tokens one tenant computes in a step once it has crowd_sit_out_seqs sequences in
+    # that step (0: no cap). Sixteen requests of one tenant arriving at once otherwise prefill
+    # together: a step of 242 tokens took 100 ms on a 2-core CPU, and another tenant arriving
+    # during it waited that long before its own step; capped at 64, steps take ~35 ms. A lone
+    # long prompt is not capped (one sequence is no crowd).
+    crowd_prefill_tokens: int = 64
     seed: int = 0
     # Which kernel implementations the model runs (KERNELS_CHOICES): "auto" (Triton on CUDA,
     # the compiled CPU kernels where they built, else the PyTorch references), "reference",
@@ -140,6 +146,8 @@ class EngineConfig:
             raise ConfigError("batch_prefill_tokens must not be negative", setting="batch_prefill_tokens")
         if self.swap_space_bytes < 0 or self.max_swaps_per_step < 0:
             raise ConfigError("swap_space_bytes and max_swaps_per_step must not be negative", setting="swap_space_bytes")
+        if self.crowd_prefill_tokens < 0:
+            raise ConfigError("crowd_prefill_tokens must not be negative", setting="crowd_prefill_tokens")
         if self.crowd_sit_out_seqs < 0 or self.crowd_sit_out_every < 1:
             raise ConfigError("crowd_sit_out_seqs must not be negative, crowd_sit_out_every at least 1",
                               setting="crowd_sit_out_seqs")

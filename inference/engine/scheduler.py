@@ -191,6 +191,8 @@ class _Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swaps: int = 0
     starved: bool = False  # a running sequence had to preempt to get a block: admit nobody
+    tenant_seqs: Counter = field(default_factory=Counter)  # tenant -> its sequences in the step
+    tenant_prefill: Counter = field(default_factory=Counter)  # tenant -> its prompt tokens in the step
 
 
 _seq_counter = itertools.count()
@@ -266,6 +268,8 @@ class Scheduler:
                     break
                 if sitting_out and (policy.yields_to(seq, head) or seq.tenant_id in crowds):
                     break  # the step that admits the new arrival stays free of what made way for it
+                if self._crowd_room(seq, step) == 0:
+                    continue  # its tenant's crowd has had its prompt tokens this step: others may not
                 if seq.status is SequenceStatus.SWAPPED:
                     if not self._swap_in(seq, step):
                         break
@@ -375,11 +379,27 @@ class Scheduler:
         num_new = min(seq.num_tokens - start, step.budget)
         if num_new > 1 and self.policy.caps_prefill(seq):
             num_new = min(num_new, step.batch_prefill)
+        if num_new > 1:
+            room = self._crowd_room(seq, step)
+            if room is not None:
+                num_new = min(num_new, room)
         return num_new
+
+    def _crowd_room(self, seq: Sequence, step: _Step) -> int | None:
+        """Prompt tokens `seq`'s tenant may still compute this step when it is a crowd in it
+        (crowd_prefill_tokens); None when no cap applies."""
+        cap, least = self.config.crowd_prefill_tokens, self.config.crowd_sit_out_seqs
+        if (not cap or not least or seq.tenant_id is None or not isinstance(self.policy, PriorityPolicy)
+                or step.tenant_seqs[seq.tenant_id] < least):
+            return None
+        return max(0, cap - step.tenant_prefill[seq.tenant_id])
 
     def _take(self, step: _Step, item: ScheduledSeq) -> None:
         step.scheduled.append(item)
         step.budget -= item.num_new_tokens
+        step.tenant_seqs[item.seq.tenant_id] += 1
+        if item.num_new_tokens > 1:  # a prompt chunk (or a preempted sequence's recompute)
+            step.tenant_prefill[item.seq.tenant_id] += item.num_new_tokens
         if item.num_new_tokens > 1 and self.policy.caps_prefill(item.seq):
             step.batch_prefill -= item.num_new_tokens
 

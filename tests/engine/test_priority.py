@@ -356,6 +356,44 @@ def test_no_one_sits_out_for_a_tenant_running_as_many_or_when_few_are_running(cr
     assert sum(rid.startswith("crowd-") for rid in _scheduled_ids(engine.runner.schedules[-1])) == crowd
 
 
+def prompt_tokens_by_tenant(schedule) -> dict[str, int]:
+    tokens: dict[str, int] = {}
+    for item in schedule.scheduled:
+        if item.num_new_tokens > 1:
+            tokens[item.seq.tenant_id] = tokens.get(item.seq.tenant_id, 0) + item.num_new_tokens
+    return tokens
+
+
+def test_a_tenants_burst_of_prompts_is_spread_over_steps_so_another_tenants_prompt_gets_in():
+    """Issue 24's 400 burst: sixteen of one tenant's requests arriving together prefilled in one
+    step (242 tokens, 100 ms on 2 cores), and another tenant's request arriving during it waited
+    for all of it. Once a tenant has crowd_sit_out_seqs sequences in a step, its prompt tokens
+    in that step stop at crowd_prefill_tokens; the rest come in the next steps, token-identical,
+    and a newcomer's prompt is never held back by the crowd's cap."""
+    engine = fake_engine(max_num_seqs=32, max_num_batched_tokens=512, num_blocks=128, crowd_prefill_tokens=24)
+    prompts = {f"burst-{i}": [i + 1] + [7] * 9 for i in range(16)}  # 10 tokens each
+    burst = [engine.add_request(rid, prompt, params(4), lane=1, tenant_id="burst") for rid, prompt in prompts.items()]
+    engine.step()
+    first = engine.runner.schedules[-1]
+    # Four sequences before the cap applies (40 tokens), none after: the step is a quarter of the burst.
+    assert prompt_tokens_by_tenant(first) == {"burst": 40}
+    engine.add_request("chat", [9] * 12, params(3), lane=1, tenant_id="bystander")
+    engine.step()
+    assert prompt_tokens_by_tenant(engine.runner.schedules[-1]).get("bystander") == 12
+    outputs = run_to_completion(engine)
+    assert outputs["chat"][-1].finish_reason == "length"
+    for seq, prompt in zip(burst, prompts.values()):
+        assert seq.output_token_ids == expected_output(prompt, 4)
+    assert all(sum(prompt_tokens_by_tenant(s).values()) <= 40 + 12 for s in engine.runner.schedules)
+
+
+def test_one_long_prompt_is_no_crowd_and_prefills_in_one_step():
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=512, crowd_prefill_tokens=24)
+    engine.add_request("long", [(3 * i) % VOCAB for i in range(200)], params(2), lane=1, tenant_id="alone")
+    engine.step()
+    assert prompt_tokens_by_tenant(engine.runner.schedules[-1]) == {"alone": 200}
+
+
 def test_a_crowd_in_a_better_lane_does_not_make_way_for_a_worse_one():
     engine = crowded_engine(6)
     engine.add_request("batch", [9, 9, 9], params(3), lane=2, tenant_id="bystander")
