@@ -6,11 +6,16 @@ consumer authenticates the first message.
 A refused HTTP request gets the OpenAI-shaped error response. A refused WebSocket is
 accepted, sent the error as one JSON text frame, and closed with code 4000 + HTTP status
 (4401, 4429): a plain handshake refusal would reach the client as a bare 403.
+An HTTP request of a tenant that already has as many generation requests in flight in this
+process as could run or wait for a slot is refused with that 429 first, on the event loop.
 """
 import json
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
+
+from django.conf import settings
 
 from tenants import admission, errors, keys, quota
 from tenants.authentication import authenticate_bearer, bearer_token, note_key_use
@@ -27,38 +32,89 @@ def scope_header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-# Keys seen to authenticate in this process: prefix -> (digest, its tenant's admission caller).
-# A tenant's key and generation admissions then share one part of the pool (as two callers, one
-# tenant's burst of 400 held all eight threads), and a wrong secret for a known prefix is refused
-# on the event loop: a client that forges another tenant's public prefix never queues in that
-# tenant's part. Bounded, least recently seen dropped first; a key's digest never changes, and
-# revocation is still read from the database on every request.
+# Keys seen to authenticate in this process: prefix -> what the event loop may decide without
+# a thread. A tenant's key and generation admissions then share one part of the pool (as two
+# callers, one tenant's burst of 400 held all eight threads), and a wrong secret for a known
+# prefix is refused on the event loop: a client that forges another tenant's public prefix never
+# queues in that tenant's part. Bounded, least recently seen dropped first; a key's digest never
+# changes, revocation is still read from the database on every admitted request, and the tier's
+# figures are those of the key's last authentication.
 _KEYS_KEPT = 10_000
-_known_keys: OrderedDict[str, tuple[str, str]] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class _Known:
+    digest: str
+    caller: str  # its tenant's admission caller
+    concurrent_streams: int  # the tier's limit, for the in-flight bound
+
+
+_known_keys: OrderedDict[str, _Known] = OrderedDict()
 _known_lock = threading.Lock()  # written on the pool's threads, read on the event loop
+
+# Generation requests of each tenant in flight in this process, from the middleware to the
+# response's end. Past its tier's concurrent generations plus SLOT_WAITERS_PER_TENANT, a request
+# could only be refused by the slot gate (each running one holds a slot, each other one waits):
+# it is refused here, on the event loop, before a thread, a database row or a Redis call. A burst
+# of 400 requests from one tenant otherwise paid a key lookup and a requests/min write each
+# (~2 ms of the GIL apiece, py-spy) while another tenant's first token waited among them.
+_in_flight: dict[str, int] = {}
+
+
+def _remember(api_key: ApiKey) -> None:
+    known = _Known(api_key.digest, admission.tenant_caller(api_key.tenant_id), api_key.tenant.tier.concurrent_streams)
+    with _known_lock:
+        _known_keys[api_key.prefix] = known
+        _known_keys.move_to_end(api_key.prefix)
+        while len(_known_keys) > _KEYS_KEPT:
+            _known_keys.popitem(last=False)
 
 
 def _authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     api_key = authenticate_bearer(header)
-    with _known_lock:
-        _known_keys[api_key.prefix] = (api_key.digest, admission.tenant_caller(api_key.tenant_id))
-        _known_keys.move_to_end(api_key.prefix)
-        while len(_known_keys) > _KEYS_KEPT:
-            _known_keys.popitem(last=False)
+    _remember(api_key)
     decision = quota.admit_request(api_key.tenant)
     note_key_use(api_key)
     return api_key, decision
 
 
+def _known(header: str | None) -> tuple[keys.ParsedKey | None, _Known | None]:
+    parsed = keys.parse(bearer_token(header) or "")
+    return parsed, (_known_keys.get(parsed.prefix) if parsed else None)
+
+
 async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     """Key and requests/min, on the admission pool as the key's tenant when the key is known,
     else as its public prefix; every refusal or failure is an ApiError."""
-    parsed = keys.parse(bearer_token(header) or "")
-    known = _known_keys.get(parsed.prefix) if parsed else None
-    if known is not None and not keys.matches(parsed.plaintext, known[0]):
+    parsed, known = _known(header)
+    if known is not None and not keys.matches(parsed.plaintext, known.digest):
         raise errors.invalid_api_key()
-    caller = known[1] if known else (f"key:{parsed.prefix}" if parsed else "key:?")
+    caller = known.caller if known else (f"key:{parsed.prefix}" if parsed else "key:?")
     return await admission.run(_authenticate_and_admit, header, caller=caller, what="key admission")
+
+
+def _in_flight_caller(header: str | None) -> tuple[str | None, errors.ApiError | None]:
+    """For a known key: its tenant's caller, counted in flight from here on, or the 429 when the
+    tenant has as many generation requests in flight here as could run or wait for a slot.
+    (None, None) for a key not known yet (counted once it authenticates) or a wrong secret."""
+    parsed, known = _known(header)
+    if known is None or not keys.matches(parsed.plaintext, known.digest):
+        return None, None
+    # A zero limit is the gate's to answer (its message names the field).
+    if known.concurrent_streams and _in_flight.get(known.caller, 0) >= known.concurrent_streams + settings.SLOT_WAITERS_PER_TENANT:
+        return None, errors.slot_queue_full(known.concurrent_streams, settings.SLOT_WAITERS_PER_TENANT)
+    return known.caller, None
+
+
+def _enter(caller: str) -> None:
+    _in_flight[caller] = _in_flight.get(caller, 0) + 1
+
+
+def _leave(caller: str) -> None:
+    if _in_flight[caller] == 1:
+        del _in_flight[caller]
+    else:
+        _in_flight[caller] -= 1
 
 
 class ApiKeyAuthMiddleware:
@@ -69,7 +125,30 @@ class ApiKeyAuthMiddleware:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         header = scope_header(scope, b"authorization")
-        if header is None and scope["type"] == "websocket":
+        if scope["type"] == "websocket":
+            return await self._socket(scope, receive, send, header)
+        caller, refusal = _in_flight_caller(header)
+        if refusal is not None:
+            return await refuse(scope, receive, send, refusal)
+        if caller is not None:
+            _enter(caller)  # before the first await: a burst arrives all at once
+        try:
+            try:
+                api_key, decision = await authenticate_and_admit(header)
+            except errors.ApiError as error:
+                return await refuse(scope, receive, send, error)
+            if caller is None:
+                caller = admission.tenant_caller(api_key.tenant_id)
+                _enter(caller)
+            return await self.app({**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision},
+                                  receive, send)
+        finally:
+            if caller is not None:
+                _leave(caller)
+
+    async def _socket(self, scope: Scope, receive: Any, send: Any, header: str | None) -> None:
+        """A WebSocket handshake: its generations are bounded per `start` message, not here."""
+        if header is None:
             # Browsers cannot set headers on a WebSocket: the consumer takes the key from
             # the first message instead (scope["tenant"] is None until it does).
             return await self.app({**scope, "tenant": None, "api_key": None, "rate_limit": None}, receive, send)
@@ -77,8 +156,8 @@ class ApiKeyAuthMiddleware:
             api_key, decision = await authenticate_and_admit(header)
         except errors.ApiError as error:
             return await refuse(scope, receive, send, error)
-        scope = {**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision}
-        return await self.app(scope, receive, send)
+        return await self.app({**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision},
+                              receive, send)
 
 
 async def refuse(scope: Scope, receive: Any, send: Any, error: errors.ApiError) -> None:

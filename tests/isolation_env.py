@@ -17,6 +17,9 @@ TIERS: dict[str, dict] = {
     "bounds-wide": {"lane": 1, **{**BIG, "max_tokens_per_request": 8192}},
     # tests/security/test_generation_slots.py: eight concurrent generations
     "slots-8": {"lane": 1, **{**BIG, "concurrent_streams": 8}},
+    # tests/security/test_generation_slots.py: four generations, and a requests/min whose remainder
+    # shows what a burst spent (it refills 5 a second)
+    "inflight-4": {"lane": 1, **{**BIG, "concurrent_streams": 4, "requests_per_minute": 300}},
     # tests/security/test_budget_reservation.py: a budget a few replies spend
     "budget-100": {"lane": 1, **{**BIG, "monthly_token_budget": 100}},
     # tests/security/test_socket_reauth.py: a tier of its own to change under an open socket
@@ -48,6 +51,7 @@ TENANTS: dict[str, str] = {
     "burst": "hostile-p1",
     # tests/security/test_generation_slots.py
     "slots": "slots-8",
+    "inflight": "inflight-4",
     # tests/security/test_budget_reservation.py
     "budget": "budget-100",
     # tests/security/test_socket_reauth.py: one tenant per way of losing its rights

@@ -9,7 +9,9 @@ request is then refused with 429 `streams`, whatever its transport.
 """
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -117,3 +119,47 @@ def test_past_its_waiting_share_a_tenants_requests_are_refused_without_waiting(n
     assert all(body["error"]["type"] == "streams" for _, body in answers), answers
     at_once = [body for _, body in answers if "already wait" in body["error"]["message"]]
     assert len(at_once) == 8 - WAITERS, answers
+
+
+def _remaining_requests(live: LiveServer, key: str) -> int:
+    """x-ratelimit-remaining-requests of a one-token chat (which also makes the key known to the process)."""
+    request = urllib.request.Request(live.url + OPENAI_CHAT, data=json.dumps(chat_body(1)).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
+        return int(response.headers["x-ratelimit-remaining-requests"])
+
+
+def test_past_what_could_run_or_wait_a_tenants_requests_are_refused_before_admission_spends_anything(hostile_live: LiveServer):
+    """Issue 24's 400 burst: a tenant whose generations all ran and whose waiting share was full
+    still had each further request looked up in the database and written to its requests/min in
+    Redis on the admission pool (~2 ms of the GIL apiece) before the slot gate refused it, while
+    another tenant's first token waited among them. Now the process counts each tenant's requests
+    in flight and refuses past its concurrent generations + SLOT_WAITERS_PER_TENANT on the event
+    loop: those refusals spend nothing, not even requests/min."""
+    live, tenant = hostile_live, "inflight"
+    key = live.keys[tenant]
+    before = _remaining_requests(live, key)
+    held = []
+    try:
+        for _ in range(4):  # the tier's four generations
+            stream = SocketStream(live.url, OPENAI_CHAT, key, chat_body(LONG, stream=True))
+            held.append(stream)
+            assert stream.next() == Comment("ok"), (stream.wire.status, stream.wire.body)
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: live.post_json(OPENAI_CHAT, chat_body(4), key), range(60)))
+    finally:
+        for stream in held:
+            stream.close()
+    assert [status for status, _ in answers] == [429] * 60, answers
+    assert all(body["error"]["type"] == "streams" for _, body in answers), answers
+    waited = [body for _, body in answers if "already wait" not in body["error"]["message"]]
+    assert len(waited) < 60 // 2, answers  # most were refused at once
+    scope = f"tenant:{live.tenant_ids[tenant]}"
+    deadline = time.monotonic() + 30
+    while Limiter(redis.Redis.from_url(live.redis_url)).leases_held(scope, "streams") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = _remaining_requests(live, key)
+    # Spent since `before`: the four held streams, the requests that waited for a slot, and this one.
+    # The bucket only refills meanwhile; before, the 60 refusals spent 60 more.
+    assert after >= before - (4 + len(waited) + 1), (before, after, len(waited))
