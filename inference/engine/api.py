@@ -9,6 +9,7 @@ loads neither torch nor Django, so request parsing stays light (a test checks `s
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 from inference.engine.errors import ConfigError, EngineError, InvalidRequestError, QueueFullError
 
 __all__ = [
-    "ConfigError", "EngineError", "EngineStats", "InvalidRequestError", "LIMITS", "Lane", "LaneStats",
+    "ConfigError", "EngineError", "EngineStats", "Grammar", "InvalidRequestError", "LIMITS", "Lane", "LaneStats",
     "QueueFullError", "Range", "RequestOutput", "SamplingParams", "TokenLogprob",
 ]
 
@@ -103,6 +104,31 @@ def _in(name: str, value: Any, limit_name: str | None = None) -> None:
     _check(value in limit, f"{name} must be {limit.describe()}", name)
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "lark", "regex")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must be (`inference.engine.structured` holds decoding to it).
+
+    `kind`: "json_object" (any JSON object), "json_schema" (`source`: the schema as JSON text),
+    "lark" or "regex" (`source`: the grammar). `param` names the API field it came from, so an
+    error about it names that field."""
+
+    kind: str
+    source: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self):
+        _check(self.kind in GRAMMAR_KINDS, f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}", self.param)
+        _check(isinstance(self.source, str), "a grammar's source must be text", self.param)
+
+    @property
+    def key(self) -> str:
+        """What compiled grammars are cached by: the same kind and source compile the same."""
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -119,6 +145,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per sampled token; 0 = the token's own only
     include_stop_str_in_output: bool = False
+    grammar: Grammar | None = None  # structured output: every token keeps the output inside it
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -143,6 +170,7 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean", "ignore_eos")
+        _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar must be a Grammar", "response_format")
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +202,9 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
+    # "grammar": the request's own grammar reached a dead end (finish_reason "error"); the
+    # client's schema is at fault, not the engine, which serves on.
+    error_kind: str | None = None
 
 
 @dataclass(frozen=True)

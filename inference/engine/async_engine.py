@@ -96,6 +96,7 @@ class _Add:
     params: SamplingParams | None
     cache_salt: str | None
     future: asyncio.Future
+    matcher: object = None  # the grammar's matcher, built before the command reaches the engine thread
 
 
 @dataclass(frozen=True)
@@ -318,9 +319,14 @@ class AsyncEngine:
             raise EngineNotRunningError("the engine is not running")
         loop = asyncio.get_running_loop()
         now = self._clock()
+        matcher = None
+        if params is not None and params.grammar is not None and self.engine.grammars is not None:
+            # Compiling a new grammar takes milliseconds to (for a large schema) a second: on a
+            # thread of its own, not the engine's, whose every request would wait for it.
+            matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.grammar)
         state = _RequestState(request_id, loop, lane, tenant_id, submitted_at=now, pulled_at=now)
         future = loop.create_future()
-        self._post(_Add(state, prompt, params, cache_salt, future))
+        self._post(_Add(state, prompt, params, cache_salt, future, matcher))
         try:
             await future
         except asyncio.CancelledError:
@@ -414,7 +420,8 @@ class AsyncEngine:
         state = command.state
         try:
             state.seq = self.engine.add_request(
-                state.request_id, command.prompt, command.params, cache_salt=command.cache_salt, lane=state.lane, tenant_id=state.tenant_id
+                state.request_id, command.prompt, command.params, cache_salt=command.cache_salt, lane=state.lane,
+                tenant_id=state.tenant_id, matcher=command.matcher,
             )
         except Exception as exc:  # InvalidRequestError and friends belong to the submitter
             _resolve(command.future, exc)

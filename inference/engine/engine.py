@@ -26,6 +26,8 @@ from inference.engine.models.llama import LlamaModel
 from inference.engine.scheduler import Scheduler, SchedulerOutput
 from inference.engine.sequence import Sequence
 from inference.engine.stops import StopMatcher
+from inference.engine.grammar import GrammarEngineFailure, guarded
+from inference.engine.structured import Grammars
 from inference.engine.tokenizer import Tokenizer
 
 
@@ -106,6 +108,8 @@ class LLMEngine:
         self.step_s = 0.0  # recent duration of a step that computed tokens (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
+        # Structured output needs text: an engine without a tokenizer takes no grammar.
+        self.grammars = Grammars(tokenizer.hf, mc.vocab_size, self.eos_token_ids) if tokenizer else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -129,11 +133,14 @@ class LLMEngine:
         lane: int = Lane.NEAR_REALTIME,
         tenant_id: str | None = None,
         admission_control: bool = True,
+        matcher=None,
     ) -> Sequence:
         """Validate and queue a request. Raises InvalidRequestError (bad request) or
         QueueFullError (the lane cannot take it now); never half-adds.
 
-        `admission_control=False` skips the lane's queue limits (offline `generate`)."""
+        `admission_control=False` skips the lane's queue limits (offline `generate`). `matcher`:
+        the grammar's matcher when the caller built it (`AsyncEngine` does, off this thread);
+        otherwise a request with a grammar gets one here."""
         params = params or SamplingParams()
         try:
             lane = Lane(lane)
@@ -149,6 +156,10 @@ class LLMEngine:
         self.check_context(len(token_ids), params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        if params.grammar is not None and matcher is None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured output needs a tokenizer", param=params.grammar.param)
+            matcher = self.grammars.matcher(params.grammar)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -165,6 +176,7 @@ class LLMEngine:
             seq.detokenizer = self.tokenizer.detokenizer()
         if params.stop:
             seq.stop_matcher = StopMatcher(params.stop)
+        seq.matcher = matcher
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(token_ids)
@@ -334,13 +346,33 @@ class LLMEngine:
             if s.logprob is not None:
                 seq.pending_logprobs.append(s.logprob)
             reason = self._stop_reason(seq, s.token_id)
+            error = None
+            if seq.matcher is not None:
+                reason, error = self._grammar_step(seq, s.token_id, reason)
             text, reason = self._text_delta(seq, s.token_id, reason)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
                 c.finished_requests += 1
-            outputs.append(self._output(seq, (s.token_id,), text, finished=reason is not None))
+            out = self._output(seq, (s.token_id,), text, finished=reason is not None)
+            outputs.append(replace(out, error=error, error_kind="grammar") if error else out)
         return outputs
+
+    @staticmethod
+    def _grammar_step(seq: Sequence, token_id: int, reason: str | None) -> tuple[str | None, str | None]:
+        """Advance the grammar by the sampled token: "stop" where the grammar ends, "error" with
+        a message where it cannot go on (no token was allowed, or its own limits were hit)."""
+        matcher = seq.matcher
+        try:
+            consumed = guarded(matcher.consume_token, token_id)
+        except GrammarEngineFailure as exc:
+            return "error", f"structured output failed: {exc}"
+        if not consumed or matcher.is_error():
+            detail = matcher.get_error() or "no token could continue the output"
+            return "error", f"structured output reached a dead end: {detail[:300]}"
+        if matcher.is_stopped():
+            return reason or "stop", None
+        return reason, None
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
 
+from inference.engine import structured
 from inference.engine.models.llama import LlamaModel
 from inference.engine.sampler import sample
 from inference.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -68,6 +70,11 @@ class ModelRunner:
             dtype=model.dtype, pin_memory=self.device.type == "cuda",
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Structured output: steps that filled grammar masks, the time the masks took on their own
+        # thread, and the part of it the step waited for after the forward pass.
+        self.masked_steps = 0
+        self.mask_s = 0.0
+        self.mask_wait_s = 0.0
 
     def swap(self, schedule: SchedulerOutput) -> None:
         """Copy swapped-out blocks to host, then swapped-in blocks back, before the forward
@@ -83,12 +90,29 @@ class ModelRunner:
         self.swap(schedule)
         if not schedule.scheduled:
             return []
+        # Grammar masks depend only on the tokens so far: they fill while the model runs.
+        constrained = [item.seq for item in schedule.scheduled if item.samples and item.seq.matcher is not None]
+        masks = structured.MaskJob([s.matcher for s in constrained], self.model.config.vocab_size) if constrained else None
         seqs, logits = self.compute_logits(schedule)
+        if masks is not None:
+            self._apply_masks(masks, constrained, seqs, logits)
         if not seqs:
             return []
         with torch.inference_mode():  # the logits are inference tensors; penalties edit them in place
             tokens, logprobs = sample(logits, seqs, self.generator, self.model.ops.argmax_rows)
         return [SampledToken(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs)]
+
+    def _apply_masks(self, masks: structured.MaskJob, constrained: list[Sequence], seqs: list[Sequence],
+                     logits: torch.Tensor) -> None:
+        waited = time.perf_counter()
+        bitmask = masks.wait()
+        self.mask_wait_s += time.perf_counter() - waited
+        self.mask_s += masks.seconds
+        self.masked_steps += 1
+        row_of = {id(seq): row for row, seq in enumerate(seqs)}
+        order = sorted(range(len(constrained)), key=lambda i: row_of[id(constrained[i])])  # logits' row order
+        with torch.inference_mode():
+            structured.apply(logits, [row_of[id(constrained[i])] for i in order], bitmask[order])
 
     def compute_logits(self, schedule: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         """Run the model on the schedule; logits ([n, vocab], in the model's dtype) only for sequences that sample."""

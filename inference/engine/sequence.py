@@ -51,6 +51,7 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request seed
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer when the engine has a tokenizer
     stop_matcher: Any = None  # stops.StopMatcher when the request has stop strings
+    matcher: Any = None  # llguidance.LLMatcher when the request has a grammar (structured output)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     text_sent: int = 0  # characters of the detokenized output already released
 
