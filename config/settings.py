@@ -297,6 +297,10 @@ MAX_REQUEST_TOKENS = env.int("MAX_REQUEST_TOKENS", default=65_536)
 # Log-probability alternatives per generated position, over all choices (top_logprobs x n):
 # the most alternatives (20) on 5 choices, or 5 on 20.
 MAX_REQUEST_LOGPROBS = env.int("MAX_REQUEST_LOGPROBS", default=100)
+# Bytes of a response_format's JSON schema (as compact JSON). The grammar engine's own limits
+# bound what compiling one costs; this bounds what a request carries: 64 KiB holds schemas of
+# hundreds of properties.
+STRUCTURED_MAX_SCHEMA_BYTES = env.int("STRUCTURED_MAX_SCHEMA_BYTES", default=64 * 1024)
 # --- uploads, probes and service tokens (issue 24, `uploads`) ---
 # Batch files are parsed on a pool of their own, never on the thread Django runs its other
 # views on: two at a time keep one core for everything else on a small box.

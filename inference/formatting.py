@@ -88,7 +88,16 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenText, offset: i
 
 
 def finish_reason(choice: Choice) -> str | None:
+    if choice.grammar_error:
+        return "error"  # structured output at a dead end: the text cannot be completed to parse
     return None if choice.finish_reason is None else FINISH_REASONS.get(choice.finish_reason, "stop")
+
+
+def _with_grammar_error(entry: dict, choice: Choice) -> dict:
+    """The choice, and why its structured output stopped when it reached a dead end."""
+    if choice.grammar_error:
+        entry["error"] = {"message": choice.grammar_error, "type": "invalid_request_error", "code": "grammar_dead_end"}
+    return entry
 
 
 # --- whole responses ---------------------------------------------------------------------
@@ -102,20 +111,20 @@ def completion_response(gen: Generation, texts: TokenText) -> dict:
         text = "".join(gen.texts.get(choice.index, ()))
         entries = gen.logprobs.get(choice.index, [])
         if gen.request.kind == "chat":
-            choices.append({
+            choices.append(_with_grammar_error({
                 "index": choice.index,
                 "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": chat_logprobs(entries, texts) if logprobs_on else None,
                 "finish_reason": finish_reason(choice),
-            })
+            }, choice))
         else:
             prefix = gen.prompt_texts[choice.prompt_index] if gen.request.echo else ""
-            choices.append({
+            choices.append(_with_grammar_error({
                 "index": choice.index,
                 "text": prefix + text,
                 "logprobs": completion_logprobs(entries, texts, len(prefix)) if logprobs_on else None,
                 "finish_reason": finish_reason(choice),
-            })
+            }, choice))
     return {
         "id": gen.id,
         "object": "chat.completion" if gen.request.kind == "chat" else "text_completion",
@@ -162,19 +171,20 @@ def delta_chunk(gen: Generation, batch, texts: TokenText) -> dict:
         reason = finish_reason(choice) if out.finished else None
         if gen.request.kind == "chat":
             delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
-            choices.append({
+            entry = {
                 "index": choice.index,
                 "delta": delta,
                 "logprobs": chat_logprobs(list(out.logprobs), texts) if logprobs_on and out.logprobs else None,
                 "finish_reason": reason,
-            })
+            }
         else:
-            choices.append({
+            entry = {
                 "index": choice.index,
                 "text": out.new_text,
                 "logprobs": completion_logprobs(list(out.logprobs), texts, 0) if logprobs_on and out.logprobs else None,
                 "finish_reason": reason,
-            })
+            }
+        choices.append(_with_grammar_error(entry, choice) if out.finished else entry)
     return _chunk(gen, choices)
 
 

@@ -82,6 +82,30 @@ class PromptField(serializers.JSONField):
     """`prompt`: a string, strings, token ids, or arrays of token ids."""
 
 
+def _format(kind: str, **properties) -> dict:
+    return {"type": "object", "additionalProperties": False, "required": ["type", *properties],
+            "properties": {"type": {"type": "string", "enum": [kind]}, **properties}}
+
+
+@extend_schema_field({"oneOf": [
+    _format("text"),
+    _format("json_object"),
+    _format("json_schema", json_schema={
+        "type": "object", "additionalProperties": False, "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": f"^[A-Za-z0-9_-]{{1,{protocol.SCHEMA_NAME_CHARS}}}$"},
+            "description": {"type": "string"},
+            "schema": {"type": "object", "description": (
+                f"A JSON schema of at most {settings.STRUCTURED_MAX_SCHEMA_BYTES} bytes as compact JSON; one the "
+                "grammar engine cannot compile is a 400 naming what it cannot use.")},
+            "strict": {"type": "boolean"},
+        },
+    }),
+]})
+class ResponseFormatField(serializers.JSONField):
+    """`response_format`: text, any JSON object, or JSON that validates against a schema."""
+
+
 class ChatMessage(serializers.Serializer):
     role = serializers.ChoiceField(choices=list(protocol.ROLES))
     content = ContentField(help_text="A string, or an array of text parts.")
@@ -113,6 +137,9 @@ class _Sampling(serializers.Serializer):
     priority = _bounded("priority", help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. "
                                               "Never better than the key's tier.")
     user = serializers.CharField(required=False)
+    response_format = ResponseFormatField(required=False, help_text=(
+        "Decoding is held to the format: the output parses unless max_tokens cuts it (finish_reason length); a "
+        "grammar that reaches a dead end ends its choice with finish_reason error and the choice's `error`."))
     prompt_cache_key = serializers.CharField(
         required=False, min_length=1, max_length=protocol.MAX_PROMPT_CACHE_KEY_CHARS,
         help_text="OpenAI's cache routing key: accepted and checked; one replica serves every request, so it routes nothing yet.")
@@ -162,6 +189,12 @@ class UsageSerializer(serializers.Serializer):
     prompt_tokens_details = PromptTokensDetails()
 
 
+class ChoiceError(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.CharField()
+    code = serializers.ChoiceField(choices=["grammar_dead_end"])
+
+
 class AssistantMessage(serializers.Serializer):
     role = serializers.ChoiceField(choices=["assistant"])
     content = serializers.CharField(allow_blank=True)
@@ -171,7 +204,8 @@ class ChatChoice(serializers.Serializer):
     index = serializers.IntegerField()
     message = AssistantMessage()
     logprobs = serializers.JSONField(allow_null=True)
-    finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+    finish_reason = serializers.ChoiceField(choices=["stop", "length", "error"])
+    error = ChoiceError(required=False, help_text="Only with finish_reason error: why structured output stopped.")
 
 
 class ChatCompletion(serializers.Serializer):
@@ -187,7 +221,8 @@ class CompletionChoice(serializers.Serializer):
     index = serializers.IntegerField()
     text = serializers.CharField(allow_blank=True)
     logprobs = serializers.JSONField(allow_null=True)
-    finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+    finish_reason = serializers.ChoiceField(choices=["stop", "length", "error"])
+    error = ChoiceError(required=False, help_text="Only with finish_reason error: why structured output stopped.")
 
 
 class Completion(serializers.Serializer):

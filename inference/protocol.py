@@ -24,7 +24,8 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.engine.api import LIMITS, InvalidRequestError, SamplingParams
+from inference.engine import grammar as grammars
+from inference.engine.api import LIMITS, Grammar, InvalidRequestError, SamplingParams
 from tenants.errors import ApiError
 
 MAX_PROMPTS = 64  # text or token-id prompts of one completion request
@@ -43,7 +44,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
 }
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
+SCHEMA_NAME_CHARS = 64  # OpenAI's limit on json_schema.name (letters, digits, _ and -)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> ApiError:
@@ -291,14 +293,70 @@ def _common(data: dict) -> dict[str, Any]:
     if key is not None and not (isinstance(key, str) and 0 < len(key) <= MAX_PROMPT_CACHE_KEY_CHARS):
         raise bad_request(f"'prompt_cache_key' must be a string of 1 to {MAX_PROMPT_CACHE_KEY_CHARS} characters.",
                           "prompt_cache_key", "invalid_value")
+    params = _sampling(data)
+    grammar = response_format(data.get("response_format"))
+    if grammar is not None:
+        params["grammar"] = grammar
     return {
         "model": _model(data),
         "n": _int(data, "n", default=1),
-        "params": _sampling(data),
+        "params": params,
         "stream": stream,
         "include_usage": include_usage,
         "priority": _int(data, "priority"),
     }
+
+
+def response_format(fmt: Any) -> Grammar | None:
+    """The grammar `response_format` holds the output to: None for text (or no format); a 400
+    naming the part at fault for anything the grammar engine cannot compile."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("'response_format' must be an object with a 'type'.", "response_format", "invalid_type")
+    kind = fmt.get("type")
+    known = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if kind not in known:
+        raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+                          "response_format.type", "invalid_value")
+    unknown = sorted(set(fmt) - known[kind])
+    if unknown:
+        raise bad_request(f"Unrecognized field in response_format of type '{kind}': '{unknown[0]}'.",
+                          f"response_format.{unknown[0]}", "unknown_parameter")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object")
+    spec = fmt.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"'{param}' must be an object with 'name' and 'schema'.", param,
+                          "missing_required_parameter" if spec is None else "invalid_type")
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise bad_request(f"Unrecognized field in '{param}': '{unknown[0]}'.", f"{param}.{unknown[0]}", "unknown_parameter")
+    name = spec.get("name")
+    if not (isinstance(name, str) and 0 < len(name) <= SCHEMA_NAME_CHARS
+            and all(c.isascii() and (c.isalnum() or c in "_-") for c in name)):
+        raise bad_request(f"'{param}.name' must be 1 to {SCHEMA_NAME_CHARS} letters, digits, underscores or dashes.",
+                          f"{param}.name", "invalid_value")
+    for key, kinds, what in (("strict", (bool,), "a boolean"), ("description", (str,), "a string")):
+        if spec.get(key) is not None and not isinstance(spec[key], kinds):
+            raise bad_request(f"'{param}.{key}' must be {what}.", f"{param}.{key}", "invalid_type")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{param}.schema' must be a JSON schema object.", f"{param}.schema", "invalid_type")
+    # Compact and in the client's key order: properties come out in the order the schema names them.
+    source = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    if len(source.encode()) > settings.STRUCTURED_MAX_SCHEMA_BYTES:
+        raise bad_request(f"'{param}.schema' is {len(source.encode())} bytes as JSON; at most "
+                          f"{settings.STRUCTURED_MAX_SCHEMA_BYTES} are accepted.", f"{param}.schema", "invalid_value")
+    grammar = Grammar("json_schema", source, param=f"{param}.schema")
+    try:
+        grammars.check(grammar)
+    except InvalidRequestError as exc:
+        raise bad_request(exc.message, exc.param, "invalid_schema") from None
+    return grammar
 
 
 def _max_tokens(data: dict, *names: str) -> int | None:
@@ -398,9 +456,6 @@ def parse_chat(data: dict) -> GenerationRequest:
     for name in ("tool_choice", "function_call"):
         if data.get(name) not in (None, "none", "auto"):
             raise bad_request(f"'{name}' is not supported by this server: this model does not call tools.", name, "unsupported_parameter")
-    fmt = data.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format", "unsupported_parameter")
     logprobs = _bool(data, "logprobs")
     top = _int(data, "top_logprobs")
     if top is not None and not logprobs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from inference import public_errors
 from inference.engine.async_engine import EngineNotRunningError, RequestStream
@@ -78,7 +78,8 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     final: RequestOutput | None = None
-    error: str | None = None
+    error: str | None = None  # the engine failed this choice
+    grammar_error: str | None = None  # its structured output reached a dead end (finish_reason "error")
 
 
 @dataclass
@@ -165,6 +166,8 @@ class Streams:
             if out.new_token_ids and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             choice.num_tokens += len(out.new_token_ids)
+            if out.error_kind == "grammar":  # the client's grammar, not an engine failure: the choice ends
+                choice.grammar_error, out = out.error, replace(out, error=None)
             if out.finished:
                 choice.finish_reason = out.finish_reason
                 choice.final = out

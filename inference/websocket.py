@@ -9,7 +9,8 @@ Client messages (JSON text frames):
     {"type": "cancel", "id": "<your id>"}
 Server messages:
     {"type": "token", "id", "seq", "index", "delta"}       seq counts 0, 1, 2... per id
-    {"type": "done", "id", "finish_reasons", "usage"}      finish reason "cancelled" after a cancel
+    {"type": "done", "id", "finish_reasons", "usage"}      finish reason "cancelled" after a cancel;
+                                                          "errors" where structured output hit a dead end
     {"type": "error", "id", "error": {OpenAI error}}       one generation refused or failed; the socket stays
 Close codes, each after an `error` frame saying why: 4401 unauthenticated (also when the
 key is revoked or expires, or its tenant is deactivated, while the socket is open), 4429
@@ -275,8 +276,12 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
             await gen.close()
         # A cancel that came while the generation was being admitted leaves no choices behind.
         reasons = ["cancelled" if cancelled else (c.finish_reason or "stop") for c in gen.choices] or ["cancelled"]
+        done = {"type": "done", "id": gen_id, "finish_reasons": reasons, "usage": gen.usage.as_dict()}
+        if any(c.grammar_error for c in gen.choices):  # structured output at a dead end (finish reason "error")
+            done["errors"] = [{"message": c.grammar_error, "code": "grammar_dead_end"} if c.grammar_error else None
+                              for c in gen.choices]
         try:
-            await self._send({"type": "done", "id": gen_id, "finish_reasons": reasons, "usage": gen.usage.as_dict()})
+            await self._send(done)
         except Exception:  # the socket is gone: nothing to tell
             pass
 

@@ -1,6 +1,7 @@
 """The official openai client drives the Files and Batch APIs end to end: upload, create,
 poll to completed, download one result per custom_id."""
 import io
+import json
 import time
 
 from tests.batches.conftest import chat_lines, read_jsonl, wait_for
@@ -38,3 +39,34 @@ rows = UsageRecord.objects.filter(tenant_id={stack.server.tenant_ids['acme']},
 result = [sorted(set(rows.values_list("lane", flat=True))), rows.count()]
 """)
     assert usage == [[2], 200]
+
+
+def test_batch_lines_with_a_response_format_each_come_back_parsing(stack):
+    """Structured output through Celery into the engine's batch lane: json_schema and json_object
+    lines, on both endpoints, each answered with text that parses (and validates)."""
+    stack.worker()
+    client = stack.client("acme")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "city": {"type": "string",
+              "maxLength": 30}}, "required": ["name", "city"], "additionalProperties": False}
+    formats = [{"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}},
+               {"type": "json_object"}]
+    people = ["a baker in Lyon", "a pilot in Toronto", "a chemist in Lagos", "a violinist in Kyoto"]
+    lines = []
+    for i, who in enumerate(people):
+        content = f'Return a JSON object with the keys "name" and "city" for {who}.'
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 60, "temperature": 0,
+                "response_format": formats[i % 2]}
+        lines.append({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    uploaded = client.files.create(file=("docs.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines).encode())),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 300,
+                    what="the batch to complete")
+    assert done.request_counts.completed == len(people) and done.request_counts.failed == 0
+    results = {line["custom_id"]: line["response"]["body"] for line in read_jsonl(client.files.content(done.output_file_id).text)}
+    for i in range(len(people)):
+        choice = results[f"doc-{i}"]["choices"][0]
+        document = json.loads(choice["message"]["content"])
+        assert choice["finish_reason"] == "stop" and isinstance(document, dict)
+        if i % 2 == 0:
+            assert set(document) == {"name", "city"}

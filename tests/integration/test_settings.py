@@ -20,11 +20,12 @@ def _run(code: str) -> str:
 
 def test_the_url_map_and_the_celery_app_load_neither_the_engine_nor_torch():
     # What `manage.py migrate`, `check` and the Celery worker import: no model, no torch. The
-    # engine's torch-free interface (inference.engine.api: limits, SamplingParams) is theirs to use.
+    # engine's torch-free interface (inference.engine.api: limits, SamplingParams; grammar: the
+    # response_format check batch lines get) is theirs to use.
     loaded = _run(
         "import config.urls, config.celery;"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('inference.engine.')"
-        " and m not in ('inference.engine.api', 'inference.engine.errors')))"
+        " and m not in ('inference.engine.api', 'inference.engine.errors', 'inference.engine.grammar')))"
     )
     assert loaded == "[]"
 

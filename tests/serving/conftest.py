@@ -47,6 +47,8 @@ TENANTS = {
     "fuzz": "live-fuzz",
     "iso-a": "live-p1",  # isolation is every tier's default
     "iso-b": "live-p1",
+    # test_structured_output.py
+    "structured": "live-p1",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
