@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from inference import tool_calls
 from inference.engine.api import TokenLogprob
 from inference.generation import Generation
 from inference.streaming import Choice
@@ -111,11 +112,18 @@ def completion_response(gen: Generation, texts: TokenText) -> dict:
         text = "".join(gen.texts.get(choice.index, ()))
         entries = gen.logprobs.get(choice.index, [])
         if gen.request.kind == "chat":
+            message, reason = {"role": "assistant", "content": text, "refusal": None}, finish_reason(choice)
+            if _calls_possible(gen):
+                content, calls = tool_calls.CallParser().feed(text, final=True)
+                if calls:
+                    message = {"role": "assistant", "content": content.strip() or None, "refusal": None,
+                               "tool_calls": [_call(c) for c in calls]}
+                    reason = "tool_calls" if reason == "stop" else reason
             choices.append(_with_grammar_error({
                 "index": choice.index,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": chat_logprobs(entries, texts) if logprobs_on else None,
-                "finish_reason": finish_reason(choice),
+                "finish_reason": reason,
             }, choice))
         else:
             prefix = gen.prompt_texts[choice.prompt_index] if gen.request.echo else ""
@@ -164,11 +172,33 @@ def opening_chunks(gen: Generation) -> list[dict]:
     return []
 
 
+def _calls_possible(gen: Generation) -> bool:
+    return gen.request.tools is not None and gen.request.tools.active
+
+
+def _call(call: dict, with_index: bool = False) -> dict:
+    return call if with_index else {k: v for k, v in call.items() if k != "index"}
+
+
 def delta_chunk(gen: Generation, batch, texts: TokenText) -> dict:
     logprobs_on = gen.request.logprobs is not None
     choices = []
     for choice, out in batch:
         reason = finish_reason(choice) if out.finished else None
+        if gen.request.kind == "chat" and _calls_possible(gen):
+            # Content as it comes, each call whole once its closing tag arrives (OpenAI's
+            # tool_calls deltas, with `index`); text that may open a call is held until it is known.
+            parser = gen.call_parsers.setdefault(choice.index, tool_calls.CallParser())
+            content, calls = parser.feed(out.new_text, final=out.finished)
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [_call(c, with_index=True) for c in calls]
+            if out.finished and parser.calls and reason == "stop":
+                reason = "tool_calls"
+            choices.append(_with_grammar_error({"index": choice.index, "delta": delta, "logprobs": None,
+                                                "finish_reason": reason}, choice) if out.finished else
+                           {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason})
+            continue
         if gen.request.kind == "chat":
             delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
             entry = {

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from inference import billing, drain, gate, prompts, streaming
+from inference import billing, drain, gate, prompts, streaming, tool_calls
 from inference.billing import Usage
 from inference.protocol import GenerationRequest
 from inference.streaming import Choice
@@ -74,6 +74,8 @@ class Generation:
     usage: Usage = field(init=False, default_factory=Usage)
     texts: dict[int, list[str]] = field(init=False, default_factory=dict)  # after collect()
     logprobs: dict[int, list] = field(init=False, default_factory=dict)  # after collect()
+    # Streamed chat with tools: each choice's output split into content and calls as it comes.
+    call_parsers: dict[int, tool_calls.CallParser] = field(init=False, default_factory=dict)
     holds: gate.Holds = field(init=False)
     streams: streaming.Streams = field(init=False)
     row: billing.UsageRow = field(init=False)

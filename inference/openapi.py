@@ -145,6 +145,30 @@ class _Sampling(serializers.Serializer):
         help_text="OpenAI's cache routing key: accepted and checked; one replica serves every request, so it routes nothing yet.")
 
 
+_FUNCTION_NAME = {"type": "string", "pattern": f"^[A-Za-z0-9_-]{{1,{protocol.SCHEMA_NAME_CHARS}}}$"}
+
+
+@extend_schema_field({"type": "array", "maxItems": protocol.MAX_TOOLS, "items": {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"type": "string", "enum": ["function"]}, "function": {
+        "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": _FUNCTION_NAME, "description": {"type": "string"}, "strict": {"type": "boolean"},
+                       "parameters": {"type": "object", "description": "A JSON schema for the arguments."}}}}}})
+class ToolsField(serializers.JSONField):
+    """`tools`: functions the model may call (Hermes format in the prompt, calls held to their schemas)."""
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string", "enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+     "properties": {"type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                 "properties": {"name": _FUNCTION_NAME}}}},
+]})
+class ToolChoiceField(serializers.JSONField):
+    """`tool_choice`: none, auto (the default with tools), required, or one named function."""
+
+
 class ChatCompletionRequest(_Sampling):
     messages = ChatMessage(many=True, help_text=(
         f"At least one message, not all of them empty; at most {settings.MAX_MESSAGES} messages "
@@ -153,6 +177,10 @@ class ChatCompletionRequest(_Sampling):
                                      help_text=f"n x max_completion_tokens at most {settings.MAX_REQUEST_TOKENS}.")
     logprobs = serializers.BooleanField(required=False)
     top_logprobs = _bounded("top_logprobs", settings.MAX_REQUEST_LOGPROBS, help_text=f"n x top_logprobs at most {settings.MAX_REQUEST_LOGPROBS}.")
+    tools = ToolsField(required=False, help_text=(
+        f"At most {protocol.MAX_TOOLS} functions of {settings.STRUCTURED_MAX_SCHEMA_BYTES} bytes together as JSON."))
+    tool_choice = ToolChoiceField(required=False)
+    parallel_tool_calls = serializers.BooleanField(required=False)
 
 
 class CompletionRequest(_Sampling):
@@ -195,16 +223,28 @@ class ChoiceError(serializers.Serializer):
     code = serializers.ChoiceField(choices=["grammar_dead_end"])
 
 
+class ToolCallFunction(serializers.Serializer):
+    name = serializers.CharField()
+    arguments = serializers.CharField(help_text="The arguments as a JSON object, in a string.")
+
+
+class ToolCall(serializers.Serializer):
+    id = serializers.CharField()
+    type = serializers.ChoiceField(choices=["function"])
+    function = ToolCallFunction()
+
+
 class AssistantMessage(serializers.Serializer):
     role = serializers.ChoiceField(choices=["assistant"])
-    content = serializers.CharField(allow_blank=True)
+    content = serializers.CharField(allow_blank=True, allow_null=True)
+    tool_calls = ToolCall(many=True, required=False)
 
 
 class ChatChoice(serializers.Serializer):
     index = serializers.IntegerField()
     message = AssistantMessage()
     logprobs = serializers.JSONField(allow_null=True)
-    finish_reason = serializers.ChoiceField(choices=["stop", "length", "error"])
+    finish_reason = serializers.ChoiceField(choices=["stop", "length", "tool_calls", "error"])
     error = ChoiceError(required=False, help_text="Only with finish_reason error: why structured output stopped.")
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from django.conf import settings
 
+from inference import tool_calls
 from inference.engine import grammar as grammars
 from inference.engine.api import LIMITS, Grammar, InvalidRequestError, SamplingParams
 from tenants.errors import ApiError
@@ -45,7 +46,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
-SCHEMA_NAME_CHARS = 64  # OpenAI's limit on json_schema.name (letters, digits, _ and -)
+SCHEMA_NAME_CHARS = 64  # OpenAI's limit on json_schema.name and a function's name (letters, digits, _ and -)
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> ApiError:
@@ -74,6 +76,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int | None = None
+    tools: tool_calls.Tools | None = None  # chat: the functions the model may call, and how
 
     @property
     def num_prompts(self) -> int:
@@ -420,11 +423,98 @@ def _messages(data: dict) -> tuple[dict, ...]:
                 f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}.", f"messages[{i}].role", "invalid_value"
             )
         # The chat template knows system, user and assistant; developer is OpenAI's new name for system.
-        parsed.append({"role": "system" if role == "developer" else role, "content": _content(message, i)})
+        content = _content(message, i)
+        if role == "assistant" and message.get("tool_calls") is not None:
+            content = "\n".join(filter(None, [content, tool_calls.render_history(_history_calls(message, i))]))
+        elif role == "tool":
+            content = tool_calls.render_result(content)
+        parsed.append({"role": "system" if role == "developer" else role, "content": content})
     if all(not m["content"] for m in parsed):
         raise bad_request("Every message is empty.", "messages", "empty_prompt")
     _check_prompt_chars(sum(len(m["content"]) for m in parsed), "messages")
     return tuple(parsed)
+
+
+def _history_calls(message: dict, index: int) -> dict:
+    """An assistant message's `tool_calls`, checked: each a function call with JSON arguments."""
+    calls = message["tool_calls"]
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"'{param}' must be an array.", param, "invalid_type")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"'{param}[{j}].function' must be an object with a 'name'.", f"{param}[{j}].function",
+                              "invalid_type")
+        arguments = function.get("arguments", "{}")
+        try:
+            if not isinstance(json.loads(arguments), dict):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise bad_request(f"'{param}[{j}].function.arguments' must be a JSON object as a string.",
+                              f"{param}[{j}].function.arguments", "invalid_value") from None
+    return message
+
+
+def _tools(data: dict, grammar: Grammar | None) -> tool_calls.Tools | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked; None without tools."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'.", "tool_choice", "invalid_value")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array of function tools.", "tools", "invalid_type")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}.", "tools", "invalid_value")
+    size = len(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > settings.STRUCTURED_MAX_SCHEMA_BYTES:
+        raise bad_request(f"'tools' are {size} bytes as JSON; at most {settings.STRUCTURED_MAX_SCHEMA_BYTES} are accepted.",
+                          "tools", "invalid_value")
+    functions, names = [], set()
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad_request(f"'{param}' must be {{\"type\": \"function\", \"function\": {{...}}}}.", param, "invalid_value")
+        function = tool["function"]
+        name = function.get("name")
+        if not (isinstance(name, str) and 0 < len(name) <= SCHEMA_NAME_CHARS
+                and all(c.isascii() and (c.isalnum() or c in "_-") for c in name)):
+            raise bad_request(f"'{param}.function.name' must be 1 to {SCHEMA_NAME_CHARS} letters, digits, underscores "
+                              "or dashes.", f"{param}.function.name", "invalid_value")
+        if name in names:
+            raise bad_request(f"Two tools are named '{name}'.", f"{param}.function.name", "invalid_value")
+        names.add(name)
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise bad_request(f"'{param}.function.parameters' must be a JSON schema object.",
+                              f"{param}.function.parameters", "invalid_type")
+        try:
+            grammars.check(Grammar("json_schema", json.dumps(parameters), param=f"{param}.function.parameters"))
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, exc.param, "invalid_schema") from None
+        described = {"name": name, "parameters": parameters}
+        if isinstance(function.get("description"), str):
+            described = {"name": name, "description": function["description"], "parameters": parameters}
+        functions.append(described)
+    named = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if named not in names:
+            raise bad_request(f"'tool_choice' names no function in 'tools': {named!r}.", "tool_choice", "invalid_value")
+        choice = "function"
+    elif choice not in ("none", "auto", "required"):
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}.", "tool_choice", "invalid_value")
+    parallel = data.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")
+    if grammar is not None and choice != "none":
+        raise bad_request("'response_format' other than text cannot be combined with tools the model may call; "
+                          "set tool_choice to 'none' or drop one of them.", "response_format", "unsupported_parameter")
+    return tool_calls.Tools(tuple(functions), choice, named, parallel)
 
 
 def _check_prompt_chars(chars: int, param: str) -> None:
@@ -451,11 +541,10 @@ def _check_totals(n: int, max_tokens: int | None, max_tokens_param: str, logprob
 
 def parse_chat(data: dict) -> GenerationRequest:
     _check_fields(data, CHAT_FIELDS)
-    for name in ("tools", "functions"):
-        _unsupported(data, name, [], ": this model does not call tools")
-    for name in ("tool_choice", "function_call"):
-        if data.get(name) not in (None, "none", "auto"):
-            raise bad_request(f"'{name}' is not supported by this server: this model does not call tools.", name, "unsupported_parameter")
+    _unsupported(data, "functions", [], ": use 'tools'")
+    if data.get("function_call") not in (None, "none", "auto"):
+        raise bad_request("'function_call' is not supported by this server: use 'tool_choice'.", "function_call",
+                          "unsupported_parameter")
     logprobs = _bool(data, "logprobs")
     top = _int(data, "top_logprobs")
     if top is not None and not logprobs:
@@ -465,9 +554,15 @@ def parse_chat(data: dict) -> GenerationRequest:
     max_tokens_param = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     common = _common(data)
     _check_totals(common["n"], max_tokens, max_tokens_param, top, "top_logprobs")
+    tools = _tools(data, common["params"].get("grammar"))
+    if tools is not None and tools.active:
+        # The model's template knows no tools: they go first, in the documented system prompt.
+        messages = ({"role": "system", "content": tool_calls.system_prompt(tools)}, *messages)
+        common["params"]["grammar"] = tool_calls.grammar(tools)
     return GenerationRequest(
         kind="chat",
         messages=messages,
+        tools=tools,
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         logprobs=(top or 0) if logprobs else None,

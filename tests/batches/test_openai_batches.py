@@ -41,9 +41,9 @@ result = [sorted(set(rows.values_list("lane", flat=True))), rows.count()]
     assert usage == [[2], 200]
 
 
-def test_batch_lines_with_a_response_format_each_come_back_parsing(stack):
+def test_batch_lines_with_a_response_format_or_tools_each_come_back_valid(stack):
     """Structured output through Celery into the engine's batch lane: json_schema and json_object
-    lines, on both endpoints, each answered with text that parses (and validates)."""
+    lines answered with text that parses (and validates), tool lines with a valid call."""
     stack.worker()
     client = stack.client("acme")
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "city": {"type": "string",
@@ -57,12 +57,17 @@ def test_batch_lines_with_a_response_format_each_come_back_parsing(stack):
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 60, "temperature": 0,
                 "response_format": formats[i % 2]}
         lines.append({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    where = {"type": "function", "function": {"name": "locate", "parameters": schema}}
+    for i, who in enumerate(people[:2]):
+        body = {"messages": [{"role": "user", "content": f"Where does {who} work?"}], "max_tokens": 60,
+                "temperature": 0, "tools": [where], "tool_choice": {"type": "function", "function": {"name": "locate"}}}
+        lines.append({"custom_id": f"call-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
     uploaded = client.files.create(file=("docs.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines).encode())),
                                    purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 300,
                     what="the batch to complete")
-    assert done.request_counts.completed == len(people) and done.request_counts.failed == 0
+    assert done.request_counts.completed == len(lines) and done.request_counts.failed == 0
     results = {line["custom_id"]: line["response"]["body"] for line in read_jsonl(client.files.content(done.output_file_id).text)}
     for i in range(len(people)):
         choice = results[f"doc-{i}"]["choices"][0]
@@ -70,3 +75,8 @@ def test_batch_lines_with_a_response_format_each_come_back_parsing(stack):
         assert choice["finish_reason"] == "stop" and isinstance(document, dict)
         if i % 2 == 0:
             assert set(document) == {"name", "city"}
+    for i in range(2):
+        choice = results[f"call-{i}"]["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "locate"
+        assert set(json.loads(call["function"]["arguments"])) == {"name", "city"}

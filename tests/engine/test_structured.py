@@ -239,3 +239,31 @@ def test_max_tokens_cuts_a_document_with_length():
     outputs = run_to_completion(engine)
     assert outputs["short"][-1].finish_reason == "length"
     assert text_of(outputs["short"]).startswith('{"name": "')
+
+
+def test_under_tool_choice_auto_text_is_free_and_a_started_call_is_held_to_its_schema():
+    """Hermes format, tool_choice auto: the model's text is unconstrained until it writes
+    <tool_call>; from there every allowed token keeps the call valid for the function's schema."""
+    from inference.tool_calls import CallParser, Tools, grammar
+    parameters = {"type": "object", "additionalProperties": False, "required": ["city"],
+                  "properties": {"city": {"type": "string", "maxLength": 10}}}
+    tools = Tools(({"name": "get_weather", "parameters": parameters},), "auto", parallel=False)
+    tok = smol_tokenizer()
+    rng = random.Random(5)
+    for _ in range(5):
+        matcher = grammars().matcher(grammar(tools))
+        free = tok.hf.encode("Let me look that up. Zebra 42!")
+        assert matcher.consume_tokens(free), matcher.get_error()  # any text at all
+        tokens = tok.hf.encode("<tool_call>\n")
+        assert matcher.consume_tokens(tokens), matcher.get_error()
+        for _ in range(60):
+            allowed = _allowed(structured.MaskJob([matcher], SMOL_VOCAB).wait()[0])
+            # Once the call is closed the text is free again: stop at the closing tag.
+            if tok.hf.decode(tokens).endswith("</tool_call>"):
+                break
+            token = rng.choice(allowed)
+            assert matcher.consume_token(token), matcher.get_error()
+            tokens.append(token)
+        content, calls = CallParser().feed(tok.hf.decode(tokens), final=True)
+        assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", tok.hf.decode(tokens)
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), parameters)

@@ -3,6 +3,7 @@ serving tests of a session. Each test module uses its own tenants, so rate limit
 stream leases of one module never leak into another's assertions."""
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from tests.live import LiveServer, start_live_server
@@ -49,6 +50,8 @@ TENANTS = {
     "iso-b": "live-p1",
     # test_structured_output.py
     "structured": "live-p1",
+    # test_tool_calls.py
+    "tools": "live-p1",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
@@ -62,3 +65,15 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield server
     finally:
         stop()
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer, request: pytest.FixtureRequest) -> openai.OpenAI:
+    """The official client, with the key of the test module's TENANT; no retries, so every
+    refusal reaches the test."""
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=live.keys[request.module.TENANT], max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id

@@ -50,15 +50,6 @@ class Person(BaseModel):
     nickname: Optional[str] = None
 
 
-@pytest.fixture(scope="module")
-def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key=live.keys[TENANT], max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
 
 def ask(who: str) -> list[dict]:
     return [{"role": "user", "content": f"Describe {who} as a person record."}]
