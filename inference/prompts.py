@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from inference import tool_calls
 from inference.engine.api import InvalidRequestError
 from inference.host import host
 from inference.protocol import GenerationRequest, bad_request
@@ -35,8 +36,9 @@ def tokenize(request: GenerationRequest) -> tuple[list[list[int]], list[str]]:
     """Each prompt's token ids, and (completions) its text for `echo`. Blocking: run it in a thread."""
     tokenizer = host.tokenizer
     if request.kind == "chat":
+        messages, tools = tool_calls.conversation(list(request.messages), request.tools, tokenizer.knows_tools)
         try:
-            return [tokenizer.encode_chat(list(request.messages))], []
+            return [tokenizer.encode_chat(messages, tools=tools)], []
         except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
             raise bad_request(f"The conversation could not be rendered with the model's chat template: {exc}",
                               "messages", "invalid_messages") from None

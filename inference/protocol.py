@@ -556,8 +556,6 @@ def parse_chat(data: dict) -> GenerationRequest:
     _check_totals(common["n"], max_tokens, max_tokens_param, top, "top_logprobs")
     tools = _tools(data, common["params"].get("grammar"))
     if tools is not None and tools.active:
-        # The model's template knows no tools: they go first, in the documented system prompt.
-        messages = ({"role": "system", "content": tool_calls.system_prompt(tools)}, *messages)
         common["params"]["grammar"] = tool_calls.grammar(tools)
     return GenerationRequest(
         kind="chat",

@@ -40,10 +40,25 @@ class Tools:
         return self.choice != "none"
 
 
+def conversation(messages: list[dict], tools: Tools | None, template_knows_tools: bool) -> tuple[list[dict], list | None]:
+    """The messages and the `tools` argument the chat template is rendered with: the tools the
+    model may call go to a template that renders tools itself, else first, as the Hermes system
+    prompt. Calls are held to the Hermes format either way (the one tool-aware templates of
+    Qwen2.5 and Hermes models teach)."""
+    if tools is None or not tools.active:
+        return messages, None
+    if template_knows_tools:
+        return messages, [{"type": "function", "function": f} for f in _offered(tools)]
+    return [{"role": "system", "content": system_prompt(tools)}, *messages], None
+
+
+def _offered(tools: Tools) -> list[dict]:
+    return [f for f in tools.functions if tools.name is None or f["name"] == tools.name]
+
+
 def system_prompt(tools: Tools) -> str:
     """What the model is told of its tools (the only ones it may call under a named choice)."""
-    offered = [f for f in tools.functions if tools.name is None or f["name"] == tools.name]
-    lines = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in offered)
+    lines = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in _offered(tools))
     how = "You must call one of them." if tools.choice in ("required", "function") else \
         "Call one when it helps answer; otherwise answer in text."
     return (f"You can call these functions. Their signatures, as JSON schemas, are within <tools></tools>:\n"
@@ -53,8 +68,7 @@ def system_prompt(tools: Tools) -> str:
 
 def _call_schema(tools: Tools) -> str:
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}}
-               for f in tools.functions if tools.name is None or f["name"] == tools.name]
+                "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}} for f in _offered(tools)]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 

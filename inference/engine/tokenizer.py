@@ -53,13 +53,20 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (Qwen2.5 and Hermes models do;
+        SmolLM2's does not)."""
+        return "tools" in (self.chat_template or "")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)

@@ -1,5 +1,6 @@
 """The Hermes-format parser that turns a chat's output back into OpenAI tool calls, fed whole or
-in the pieces a stream delivers."""
+in the pieces a stream delivers, and where a request's tools go in the prompt."""
+import copy
 import json
 
 import pytest
@@ -39,3 +40,32 @@ def test_text_that_only_looks_like_a_call_is_content(size):
 def test_a_call_cut_off_by_max_tokens_is_returned_as_text():
     content, calls = feed_in_pieces('<tool_call>\n{"name": "get_wea', 5)
     assert (content, calls) == ('<tool_call>\n{"name": "get_wea', [])
+
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_tools_go_to_a_template_that_renders_them_else_into_the_hermes_system_prompt():
+    from dataclasses import replace
+
+    from inference.engine.tokenizer import Tokenizer
+    from inference.tool_calls import Tools, conversation
+    from tests.engine.tiny import smol_tokenizer
+
+    tok = smol_tokenizer()
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = Tools((WEATHER, {**WEATHER, "name": "other"}), "function", name="get_weather")
+    messages, template_tools = conversation(ask, tools, tok.knows_tools)
+    assert not tok.knows_tools and template_tools is None  # SmolLM2's template has no tools
+    assert messages[0]["role"] == "system" and '"get_weather"' in messages[0]["content"]
+    assert '"other"' not in messages[0]["content"]  # a named choice offers only that function
+    assert conversation(ask, replace(tools, choice="none"), tok.knows_tools) == (ask, None)
+
+    # A template that renders tools itself (as Qwen2.5's does) gets them as its `tools` argument.
+    hf = copy.deepcopy(tok.hf)
+    hf.chat_template = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}" + tok.chat_template
+    aware = Tokenizer(hf)
+    messages, template_tools = conversation(ask, tools, aware.knows_tools)
+    assert messages == ask and template_tools == [{"type": "function", "function": WEATHER}]
+    rendered = aware.render_chat(messages, tools=template_tools)
+    assert rendered.startswith("<tools>") and "get_weather" in rendered and "other" not in rendered
