@@ -52,6 +52,8 @@ TENANTS = {
     "structured": "live-p1",
     # test_tool_calls.py
     "tools": "live-p1",
+    # test_request_ids.py
+    "ids": "live-p1",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
@@ -68,12 +70,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def client(live: LiveServer, request: pytest.FixtureRequest) -> openai.OpenAI:
+def sdk(live: LiveServer, request: pytest.FixtureRequest) -> openai.OpenAI:
     """The official client, with the key of the test module's TENANT; no retries, so every
-    refusal reaches the test."""
+    refusal reaches the test. (Not `client`: that is pytest-django's test client.)"""
     return openai.OpenAI(base_url=live.url + "/v1", api_key=live.keys[request.module.TENANT], max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
+def served_model(sdk: openai.OpenAI) -> str:
+    return sdk.models.list().data[0].id

@@ -60,9 +60,9 @@ def in_parallel(work, items) -> list:
         return list(pool.map(work, items))
 
 
-def test_a_pydantic_model_comes_back_parsed_for_every_prompt(client: openai.OpenAI, model: str):
+def test_a_pydantic_model_comes_back_parsed_for_every_prompt(sdk: openai.OpenAI, served_model: str):
     def parse(who: str):
-        return client.chat.completions.parse(model=model, messages=ask(who), response_format=Person, max_tokens=300,
+        return sdk.chat.completions.parse(model=served_model, messages=ask(who), response_format=Person, max_tokens=300,
                                              temperature=0, extra_body=PENALTY)
     completions = in_parallel(parse, PEOPLE)
     parsed = [c.choices[0].message.parsed for c in completions]
@@ -70,35 +70,35 @@ def test_a_pydantic_model_comes_back_parsed_for_every_prompt(client: openai.Open
     assert [c.choices[0].finish_reason for c in completions] == ["stop"] * len(PEOPLE)
 
 
-def test_a_streamed_pydantic_model_comes_back_parsed_and_as_the_plain_one(client: openai.OpenAI, model: str):
+def test_a_streamed_pydantic_model_comes_back_parsed_and_as_the_plain_one(sdk: openai.OpenAI, served_model: str):
     def stream(who: str):
-        with client.chat.completions.stream(model=model, messages=ask(who), response_format=Person, max_tokens=300,
+        with sdk.chat.completions.stream(model=served_model, messages=ask(who), response_format=Person, max_tokens=300,
                                             temperature=0, extra_body=PENALTY) as events:
             return events.get_final_completion()
     completions = in_parallel(stream, PEOPLE)
     parsed = [c.choices[0].message.parsed for c in completions]
     assert all(isinstance(p, Person) for p in parsed), [c.choices[0].message.content for c in completions]
     # Greedy: the streamed documents are the plain ones, token for token.
-    plain = client.chat.completions.parse(model=model, messages=ask(PEOPLE[0]), response_format=Person, max_tokens=300,
+    plain = sdk.chat.completions.parse(model=served_model, messages=ask(PEOPLE[0]), response_format=Person, max_tokens=300,
                                           temperature=0, extra_body=PENALTY)
     assert completions[0].choices[0].message.content == plain.choices[0].message.content
 
 
-def test_json_object_output_parses_for_every_prompt(client: openai.OpenAI, model: str):
+def test_json_object_output_parses_for_every_prompt(sdk: openai.OpenAI, served_model: str):
     def ask_json(who: str):
         content = f'Return a JSON object with the keys "name" and "city" for {who}.'
-        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+        return sdk.chat.completions.create(model=served_model, messages=[{"role": "user", "content": content}],
                                               response_format={"type": "json_object"}, max_tokens=300, temperature=0)
     completions = in_parallel(ask_json, PEOPLE)
     documents = [json.loads(c.choices[0].message.content) for c in completions]
     assert all(isinstance(d, dict) for d in documents)
 
 
-def test_a_completion_and_the_platform_stream_take_a_json_schema_too(live: LiveServer, client: openai.OpenAI, model: str):
+def test_a_completion_and_the_platform_stream_take_a_json_schema_too(live: LiveServer, sdk: openai.OpenAI, served_model: str):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}, "sure": {"type": "boolean"}},
               "required": ["answer", "sure"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-    text = client.completions.create(model=model, prompt="Is the sky blue? Answer:", max_tokens=100, temperature=0,
+    text = sdk.completions.create(model=served_model, prompt="Is the sky blue? Answer:", max_tokens=100, temperature=0,
                                      extra_body={"response_format": fmt, **PENALTY}).choices[0].text
     assert set(json.loads(text)) == {"answer", "sure"}
     body = {"messages": ask("the sky"), "max_tokens": 100, "temperature": 0, "response_format": fmt, **PENALTY}
@@ -132,29 +132,29 @@ def test_a_websocket_start_takes_a_response_format(live: LiveServer):
     assert isinstance(json.loads("".join(deltas)), dict)
 
 
-def test_max_tokens_cuts_a_document_with_length(client: openai.OpenAI, model: str):
-    completion = client.chat.completions.create(model=model, messages=ask(PEOPLE[1]), max_tokens=5, temperature=0,
+def test_max_tokens_cuts_a_document_with_length(sdk: openai.OpenAI, served_model: str):
+    completion = sdk.chat.completions.create(model=served_model, messages=ask(PEOPLE[1]), max_tokens=5, temperature=0,
                                                 response_format={"type": "json_object"})
     assert completion.choices[0].finish_reason == "length"
     with pytest.raises(ValueError):
         json.loads(completion.choices[0].message.content)
 
 
-def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_naming_it(client: openai.OpenAI, model: str):
+def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_naming_it(sdk: openai.OpenAI, served_model: str):
     for schema, part in (({"type": "object", "properties": {"a": {"type": "strnig"}}}, "strnig"),
                          ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum")):
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model=model, messages=ask("anyone"), max_tokens=10, response_format={
+            sdk.chat.completions.create(model=served_model, messages=ask("anyone"), max_tokens=10, response_format={
                 "type": "json_schema", "json_schema": {"name": "bad", "schema": schema}})
         assert caught.value.body["param"] == "response_format.json_schema.schema"
         assert part in caught.value.body["message"]
 
 
-def test_a_schema_over_the_size_limit_is_a_400(live: LiveServer, client: openai.OpenAI, model: str):
+def test_a_schema_over_the_size_limit_is_a_400(live: LiveServer, sdk: openai.OpenAI, served_model: str):
     limit = int(live.django("from django.conf import settings\nresult = settings.STRUCTURED_MAX_SCHEMA_BYTES"))
     schema = {"type": "object", "description": "x" * limit}
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=model, messages=ask("anyone"), max_tokens=10, response_format={
+        sdk.chat.completions.create(model=served_model, messages=ask("anyone"), max_tokens=10, response_format={
             "type": "json_schema", "json_schema": {"name": "big", "schema": schema}})
     assert caught.value.body["param"] == "response_format.json_schema.schema"
     assert str(limit) in caught.value.body["message"]

@@ -35,10 +35,10 @@ def arguments_of(call) -> dict:
     return json.loads(call.function.arguments)
 
 
-def test_a_named_function_is_called_with_arguments_that_validate(client: openai.OpenAI, model: str):
+def test_a_named_function_is_called_with_arguments_that_validate(sdk: openai.OpenAI, served_model: str):
     def call(city: str):
-        return client.chat.completions.create(
-            model=model, messages=ask(city), tools=[WEATHER, FLIGHTS], max_tokens=100, temperature=0,
+        return sdk.chat.completions.create(
+            model=served_model, messages=ask(city), tools=[WEATHER, FLIGHTS], max_tokens=100, temperature=0,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
     with ThreadPoolExecutor(10) as pool:
         completions = list(pool.map(call, CITIES))
@@ -51,9 +51,9 @@ def test_a_named_function_is_called_with_arguments_that_validate(client: openai.
         jsonschema.validate(arguments_of(tool_call), WEATHER["function"]["parameters"])
 
 
-def test_required_calls_one_of_the_tools_validly(client: openai.OpenAI, model: str):
-    completion = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Find me flights from LHR to JFK for two people."}],
+def test_required_calls_one_of_the_tools_validly(sdk: openai.OpenAI, served_model: str):
+    completion = sdk.chat.completions.create(
+        model=served_model, messages=[{"role": "user", "content": "Find me flights from LHR to JFK for two people."}],
         tools=[WEATHER, FLIGHTS], tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=0)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -62,34 +62,34 @@ def test_required_calls_one_of_the_tools_validly(client: openai.OpenAI, model: s
     jsonschema.validate(arguments_of(tool_call), tool["function"]["parameters"])
 
 
-def test_a_streamed_call_reassembles_to_the_plain_one(client: openai.OpenAI, model: str):
-    kwargs = dict(model=model, messages=ask("Lisbon"), tools=[WEATHER], max_tokens=100, temperature=0,
+def test_a_streamed_call_reassembles_to_the_plain_one(sdk: openai.OpenAI, served_model: str):
+    kwargs = dict(model=served_model, messages=ask("Lisbon"), tools=[WEATHER], max_tokens=100, temperature=0,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    plain = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
-    with client.chat.completions.stream(**kwargs) as stream:
+    plain = sdk.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    with sdk.chat.completions.stream(**kwargs) as stream:
         final = stream.get_final_completion()
     streamed = final.choices[0].message.tool_calls[0]
     assert final.choices[0].finish_reason == "tool_calls"
     assert (streamed.function.name, arguments_of(streamed)) == (plain.function.name, arguments_of(plain))
 
 
-def test_a_tool_result_round_trip_is_accepted(client: openai.OpenAI, model: str):
-    first = client.chat.completions.create(model=model, messages=ask("Oslo"), tools=[WEATHER], max_tokens=100,
+def test_a_tool_result_round_trip_is_accepted(sdk: openai.OpenAI, served_model: str):
+    first = sdk.chat.completions.create(model=served_model, messages=ask("Oslo"), tools=[WEATHER], max_tokens=100,
                                            temperature=0, tool_choice="required")
     call = first.choices[0].message.tool_calls[0]
     history = ask("Oslo") + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 4, "sky": "cloudy"})},
     ]
-    answer = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="none",
+    answer = sdk.chat.completions.create(model=served_model, messages=history, tools=[WEATHER], tool_choice="none",
                                             max_tokens=40, temperature=0)
     choice = answer.choices[0]
     assert choice.message.content and not choice.message.tool_calls
     assert choice.finish_reason in ("stop", "length")
 
 
-def test_auto_answers_in_text_or_with_a_valid_call(client: openai.OpenAI, model: str):
-    completion = client.chat.completions.create(model=model, messages=ask("Tokyo"), tools=[WEATHER], max_tokens=120,
+def test_auto_answers_in_text_or_with_a_valid_call(sdk: openai.OpenAI, served_model: str):
+    completion = sdk.chat.completions.create(model=served_model, messages=ask("Tokyo"), tools=[WEATHER], max_tokens=120,
                                                 temperature=0)
     message = completion.choices[0].message
     if message.tool_calls:
@@ -107,8 +107,8 @@ def test_auto_answers_in_text_or_with_a_valid_call(client: openai.OpenAI, model:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]},
      "tools[0].function.parameters"),
 ], ids=["unknown-function", "with-response-format", "bad-name", "bad-parameters"])
-def test_bad_tool_input_is_a_400_naming_the_field(client: openai.OpenAI, model: str, extra: dict, param: str):
+def test_bad_tool_input_is_a_400_naming_the_field(sdk: openai.OpenAI, served_model: str, extra: dict, param: str):
     body = {"tools": [WEATHER], **extra}
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=model, messages=ask("Paris"), max_tokens=10, **body)
+        sdk.chat.completions.create(model=served_model, messages=ask("Paris"), max_tokens=10, **body)
     assert caught.value.body["param"] == param
