@@ -14,6 +14,7 @@ from django.urls import re_path  # noqa: E402
 
 from batches import upload_gate  # noqa: E402
 from config import daphne_hooks  # noqa: E402
+from config.request_ids import RequestIdMiddleware  # noqa: E402
 from console.routing import console_routes  # noqa: E402
 from inference import drain, fleet  # noqa: E402
 from inference.host import EngineLifespan, host  # noqa: E402
@@ -37,7 +38,8 @@ daphne_hooks.call_when_serving(host.start, fleet.join, drain.install)
 # browser page cannot attach to another site's socket, and most API clients send no Origin.
 # EngineLifespan starts loading the model when the server starts serving (never at import),
 # this replica's reports to the fleet, and the drain on SIGTERM.
-application = EngineLifespan(ProtocolTypeRouter(
+# Outermost: every response, refusals and 404s included, carries X-Request-Id (config.request_ids).
+application = RequestIdMiddleware(EngineLifespan(ProtocolTypeRouter(
     {
         # Streaming (SSE) routes first, each wrapped in the key middleware by
         # inference.routing; everything else is plain Django (DRF authenticates itself).
@@ -49,4 +51,4 @@ application = EngineLifespan(ProtocolTypeRouter(
             re_path(r"", ApiKeyAuthMiddleware(URLRouter(websocket_routes))),
         ]),
     }
-), on_serve=(fleet.join, drain.install))
+), on_serve=(fleet.join, drain.install)))

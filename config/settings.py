@@ -117,7 +117,10 @@ if not DEBUG:
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # Each line names the request it was written for (config.request_ids; "-" outside one).
+    "filters": {"request_id": {"()": "config.request_ids.RequestIdFilter"}},
+    "formatters": {"plain": {"format": "%(levelname)s %(name)s [%(request_id)s] %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["request_id"], "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
 }
 

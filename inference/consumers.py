@@ -27,6 +27,7 @@ from channels.generic.http import AsyncHttpConsumer
 from django import db
 from django.conf import settings
 
+from config import request_ids
 from inference import formatting, protocol
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
@@ -223,7 +224,8 @@ class OpenAIConsumer(EngineHttpConsumer):
                          metered=self.metered, request_id=self.request_id(), **self.billing())
         try:
             await gen.start()
-            headers = {"X-Request-Id": gen.id, "X-Lane": f"P{gen.lane}", **gen.rate_limit_headers()}
+            headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",
+                       **gen.rate_limit_headers()}
             if request.stream:
                 await self._stream(gen, headers)
             else:
@@ -273,7 +275,8 @@ class PlatformChatConsumer(EngineHttpConsumer):
         gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True)
         try:
             await gen.start()
-            headers = {"X-Request-Id": gen.id, "X-Lane": f"P{gen.lane}", **gen.rate_limit_headers()}
+            headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",
+                       **gen.rate_limit_headers()}
             await self.start_stream(headers)
 
             async def on_batch(batch):

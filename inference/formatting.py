@@ -133,7 +133,7 @@ def completion_response(gen: Generation, texts: TokenText) -> dict:
                 "logprobs": completion_logprobs(entries, texts, len(prefix)) if logprobs_on else None,
                 "finish_reason": finish_reason(choice),
             }, choice))
-    return {
+    return _with_service_tier(gen, {
         "id": gen.id,
         "object": "chat.completion" if gen.request.kind == "chat" else "text_completion",
         "created": gen.created,
@@ -141,7 +141,17 @@ def completion_response(gen: Generation, texts: TokenText) -> dict:
         "system_fingerprint": None,
         "choices": choices,
         "usage": gen.usage.as_dict(),
-    }
+    })
+
+
+SERVICE_TIER_OF_LANE = {0: "priority", 1: "default", 2: "flex"}
+
+
+def _with_service_tier(gen: Generation, body: dict) -> dict:
+    """The service tier the request ran in (its lane), when it asked for one."""
+    if gen.request.service_tier is not None:
+        body["service_tier"] = SERVICE_TIER_OF_LANE[gen.lane]
+    return body
 
 
 # --- stream chunks -----------------------------------------------------------------------
@@ -158,7 +168,7 @@ def _chunk(gen: Generation, choices: list[dict]) -> dict:
     }
     if gen.request.include_usage:
         chunk["usage"] = None
-    return chunk
+    return _with_service_tier(gen, chunk)
 
 
 def opening_chunks(gen: Generation) -> list[dict]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from inference import catalog
+from inference import catalog, protocol
 from inference.protocol import GenerationRequest
 from tenants import admission, errors, quota
 from tenants.errors import ApiError
@@ -57,12 +57,17 @@ def resolve_lane(tier_lane: int, requested: int | None, param: str = "priority")
 
 
 def lane_for(request: GenerationRequest, tier: QuotaTier, header_priority: int | None, override: int | None) -> int:
-    """The request's lane: `override` when given (batch items), else the body's `priority`,
-    else the X-Priority header, each no better than the tier's."""
+    """The request's lane: `override` when given (batch items), else the body's `priority` (403
+    past the tier's), else the X-Priority header (the same), else `service_tier` (capped to the
+    tier's lane), else the tier's."""
     if override is not None:
         return override
     if request.priority is not None:
         return resolve_lane(tier.lane, request.priority, "priority")
+    if header_priority is None and request.service_tier is not None:
+        # A preference, as OpenAI treats it: "priority" on a tier without P0 runs at the tier's lane.
+        wanted = protocol.SERVICE_TIERS[request.service_tier]
+        return tier.lane if wanted is None else max(tier.lane, wanted)
     return resolve_lane(tier.lane, header_priority, "X-Priority")
 
 

@@ -48,6 +48,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 SCHEMA_NAME_CHARS = 64  # OpenAI's limit on json_schema.name and a function's name (letters, digits, _ and -)
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
+# OpenAI's service tiers, as lanes (never better than the key's tier: a better one is capped to it).
+SERVICE_TIERS = {"priority": 0, "default": None, "auto": None, "scale": None, "flex": 2}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> ApiError:
@@ -77,6 +79,7 @@ class GenerationRequest:
     include_usage: bool = False
     priority: int | None = None
     tools: tool_calls.Tools | None = None  # chat: the functions the model may call, and how
+    service_tier: str | None = None  # OpenAI's; a lane preference (SERVICE_TIERS), echoed in the response
 
     @property
     def num_prompts(self) -> int:
@@ -287,9 +290,11 @@ def _stream(data: dict) -> tuple[bool, bool]:
 def _common(data: dict) -> dict[str, Any]:
     _unsupported(data, "logit_bias", {})
     stream, include_usage = _stream(data)
-    for name in ("user", "service_tier"):
-        if data.get(name) is not None and not isinstance(data[name], str):
-            raise bad_request(f"'{name}' must be a string.", name, "invalid_type")
+    if data.get("user") is not None and not isinstance(data["user"], str):
+        raise bad_request("'user' must be a string.", "user", "invalid_type")
+    service_tier = data.get("service_tier")
+    if service_tier is not None and service_tier not in SERVICE_TIERS:
+        raise bad_request(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}.", "service_tier", "invalid_value")
     if data.get("metadata") is not None and not isinstance(data["metadata"], dict):
         raise bad_request("'metadata' must be an object.", "metadata", "invalid_type")
     key = data.get("prompt_cache_key")
@@ -307,6 +312,7 @@ def _common(data: dict) -> dict[str, Any]:
         "stream": stream,
         "include_usage": include_usage,
         "priority": _int(data, "priority"),
+        "service_tier": service_tier,
     }
 
 
