@@ -20,6 +20,9 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("metrics", operator_views.metrics, name="metrics"),
     path("v1/", include("inference.urls")),
+    # vLLM's utility endpoints, at its paths (the tenant's key, requests/min).
+    path("tokenize", views.Tokenize.as_view(), name="tokenize"),
+    path("detokenize", views.Detokenize.as_view(), name="detokenize"),
     path("v1/", include("batches.urls")),
     path("api/v1/engine/stats", operator_views.engine_stats, name="engine-stats"),
     path("api/v1/engine/fleet", operator_views.engine_fleet, name="engine-fleet"),

@@ -20,7 +20,7 @@ from rest_framework.views import APIView
 from batches import views as batch_views
 from inference import protocol
 from inference.engine.api import LIMITS, MAX_N
-from inference.views import ModelDetail, ModelList
+from inference.views import Detokenize, ModelDetail, ModelList, Tokenize
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -450,6 +450,8 @@ def close_request_bodies(result: dict, generator, request, public) -> dict:
 urlpatterns = [
     path("v1/models", ModelList.as_view()),
     path("v1/models/<path:model>", ModelDetail.as_view()),
+    path("tokenize", Tokenize.as_view()),
+    path("detokenize", Detokenize.as_view()),
     # The Files and Batch APIs are plain DRF views: the schema describes the real ones.
     path("v1/files", batch_views.FileList.as_view()),
     path("v1/files/<str:file_id>", batch_views.FileDetail.as_view()),

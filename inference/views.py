@@ -1,4 +1,5 @@
 """The OpenAI-compatible API. Views parse, call one function, and respond."""
+from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema, inline_serializer
@@ -6,10 +7,13 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from inference import prompts, protocol
 from inference.catalog import served_models
+from inference.engine.api import InvalidRequestError
 from inference.host import EngineUnavailable, host
 from tenants.api import TenantAPIView
 from tenants.errors import ApiError
+
 
 class Model(serializers.Serializer):
     id = serializers.CharField()
@@ -58,3 +62,89 @@ def unknown_path(request: HttpRequest) -> JsonResponse:
     """Any /v1/ or /api/ path nothing else routes: OpenAI's error shape, not Django's HTML page."""
     error = ApiError(404, f"Unknown request URL: {request.method} {request.path[:200]}.", code="unknown_url")
     return JsonResponse(error.body(), status=404)
+
+
+class TokenizeRequest(serializers.Serializer):
+    model = serializers.CharField(required=False)
+    prompt = serializers.CharField(required=False, help_text="Text, tokenized as /v1/completions does.")
+    messages = serializers.ListField(child=serializers.DictField(), required=False, help_text=(
+        "A chat, rendered with the model's template as /v1/chat/completions does (with `tools`, as it would)."))
+    tools = serializers.ListField(child=serializers.DictField(), required=False)
+    add_special_tokens = serializers.BooleanField(required=False, help_text="Prompts only; default true.")
+
+
+class Tokenize(TenantAPIView):
+    """POST /tokenize (vLLM's): the token ids a prompt or a chat is, exactly as a generation would
+    count them. Counted against requests/min, not tokens/min."""
+
+    @extend_schema(operation_id="tokenize", request=TokenizeRequest, responses=inline_serializer("Tokens", {
+        "tokens": serializers.ListField(child=serializers.IntegerField()),
+        "count": serializers.IntegerField(),
+        "max_model_len": serializers.IntegerField(),
+    }), tags=["utilities"])
+    def post(self, request: Request) -> Response:
+        data = _json_object(request)
+        unknown = sorted(set(data) - {"model", "prompt", "messages", "tools", "add_special_tokens"})
+        if unknown:
+            raise protocol.bad_request(f"Unrecognized request argument supplied: {unknown[0]}.", unknown[0],
+                                       "unknown_parameter")
+        if ("prompt" in data) == ("messages" in data):
+            raise protocol.bad_request("Send either 'prompt' or 'messages'.", "prompt", "missing_required_parameter")
+        special = data.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise protocol.bad_request("'add_special_tokens' must be a boolean.", "add_special_tokens", "invalid_type")
+        body = {k: data[k] for k in ("model", "prompt", "messages", "tools") if k in data}
+        engine = _engine()
+        if "messages" in body:
+            ids = prompts.tokenize(protocol.parse_chat(body))[0][0]
+        elif isinstance(body["prompt"], str) and not special:
+            protocol.parse_completion(body)  # the same bounds as a completion's prompt
+            ids = engine.tokenizer.hf.encode(body["prompt"], add_special_tokens=False)
+        else:
+            request_ = protocol.parse_completion(body)
+            if request_.num_prompts != 1:
+                raise protocol.bad_request("'prompt' must be one prompt here.", "prompt", "invalid_value")
+            ids = prompts.tokenize(request_)[0][0]
+        return Response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+
+class Detokenize(TenantAPIView):
+    """POST /detokenize (vLLM's): the text of token ids. Counted against requests/min only."""
+
+    @extend_schema(operation_id="detokenize", request=inline_serializer("DetokenizeRequest", {
+        "model": serializers.CharField(required=False),
+        "tokens": serializers.ListField(child=serializers.IntegerField(min_value=0)),
+    }), responses=inline_serializer("Detokenized", {"prompt": serializers.CharField(allow_blank=True)}),
+        tags=["utilities"])
+    def post(self, request: Request) -> Response:
+        data = _json_object(request)
+        unknown = sorted(set(data) - {"model", "tokens"})
+        if unknown:
+            raise protocol.bad_request(f"Unrecognized request argument supplied: {unknown[0]}.", unknown[0],
+                                       "unknown_parameter")
+        tokens = data.get("tokens")
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise protocol.bad_request("'tokens' must be an array of token ids.", "tokens", "invalid_type")
+        if len(tokens) > settings.MAX_PROMPT_CHARS:
+            raise protocol.bad_request(f"'tokens' takes at most {settings.MAX_PROMPT_CHARS} ids.", "tokens", "invalid_value")
+        engine = _engine()
+        try:
+            engine.check_token_ids(tokens)
+        except InvalidRequestError as exc:
+            raise protocol.bad_request(exc.message, "tokens", exc.code) from None
+        return Response({"prompt": engine.tokenizer.decode(tokens)})
+
+
+def _json_object(request: Request) -> dict:
+    if not isinstance(request.data, dict):
+        raise protocol.bad_request("The request body must be a JSON object.", code="invalid_json")
+    return dict(request.data)
+
+
+def _engine():
+    from inference import streaming  # the engine's serving loop: not for the URL map's importers (manage.py, Celery)
+
+    try:
+        return host.engine().engine
+    except EngineUnavailable as exc:
+        raise streaming.engine_error(exc) from None

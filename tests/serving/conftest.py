@@ -54,6 +54,8 @@ TENANTS = {
     "tools": "live-p1",
     # test_request_ids.py
     "ids": "live-p1",
+    # test_tokenize.py
+    "tokens": "live-p1",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
