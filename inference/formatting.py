@@ -205,9 +205,8 @@ def delta_chunk(gen: Generation, batch, texts: TokenText) -> dict:
                 delta["tool_calls"] = [_call(c, with_index=True) for c in calls]
             if out.finished and parser.calls and reason == "stop":
                 reason = "tool_calls"
-            choices.append(_with_grammar_error({"index": choice.index, "delta": delta, "logprobs": None,
-                                                "finish_reason": reason}, choice) if out.finished else
-                           {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason})
+            entry = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choices.append(_with_grammar_error(entry, choice) if out.finished else entry)
             continue
         if gen.request.kind == "chat":
             delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}

@@ -212,7 +212,7 @@ def _unsupported(data: dict, name: str, neutral: Any = None, what: str = "") -> 
     raise bad_request(f"'{name}' is not supported by this server{what}.", name, "unsupported_parameter")
 
 
-def _check_fields(data: dict, allowed: set[str]) -> None:
+def check_fields(data: dict, allowed: set[str]) -> None:
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}.", unknown[0], "unknown_parameter")
@@ -316,6 +316,12 @@ def _common(data: dict) -> dict[str, Any]:
     }
 
 
+def _is_name(name: Any) -> bool:
+    """A schema's or a function's name as OpenAI takes it: 1 to 64 letters, digits, _ or -."""
+    return (isinstance(name, str) and 0 < len(name) <= SCHEMA_NAME_CHARS
+            and all(c.isascii() and (c.isalnum() or c in "_-") for c in name))
+
+
 def response_format(fmt: Any) -> Grammar | None:
     """The grammar `response_format` holds the output to: None for text (or no format); a 400
     naming the part at fault for anything the grammar engine cannot compile."""
@@ -345,8 +351,7 @@ def response_format(fmt: Any) -> Grammar | None:
     if unknown:
         raise bad_request(f"Unrecognized field in '{param}': '{unknown[0]}'.", f"{param}.{unknown[0]}", "unknown_parameter")
     name = spec.get("name")
-    if not (isinstance(name, str) and 0 < len(name) <= SCHEMA_NAME_CHARS
-            and all(c.isascii() and (c.isalnum() or c in "_-") for c in name)):
+    if not _is_name(name):
         raise bad_request(f"'{param}.name' must be 1 to {SCHEMA_NAME_CHARS} letters, digits, underscores or dashes.",
                           f"{param}.name", "invalid_value")
     for key, kinds, what in (("strict", (bool,), "a boolean"), ("description", (str,), "a string")):
@@ -484,8 +489,7 @@ def _tools(data: dict, grammar: Grammar | None) -> tool_calls.Tools | None:
             raise bad_request(f"'{param}' must be {{\"type\": \"function\", \"function\": {{...}}}}.", param, "invalid_value")
         function = tool["function"]
         name = function.get("name")
-        if not (isinstance(name, str) and 0 < len(name) <= SCHEMA_NAME_CHARS
-                and all(c.isascii() and (c.isalnum() or c in "_-") for c in name)):
+        if not _is_name(name):
             raise bad_request(f"'{param}.function.name' must be 1 to {SCHEMA_NAME_CHARS} letters, digits, underscores "
                               "or dashes.", f"{param}.function.name", "invalid_value")
         if name in names:
@@ -546,7 +550,7 @@ def _check_totals(n: int, max_tokens: int | None, max_tokens_param: str, logprob
 
 
 def parse_chat(data: dict) -> GenerationRequest:
-    _check_fields(data, CHAT_FIELDS)
+    check_fields(data, CHAT_FIELDS)
     _unsupported(data, "functions", [], ": use 'tools'")
     if data.get("function_call") not in (None, "none", "auto"):
         raise bad_request("'function_call' is not supported by this server: use 'tool_choice'.", "function_call",
@@ -614,7 +618,7 @@ def _prompts(data: dict) -> tuple[str | tuple[int, ...], ...]:
 
 
 def parse_completion(data: dict) -> GenerationRequest:
-    _check_fields(data, COMPLETION_FIELDS)
+    check_fields(data, COMPLETION_FIELDS)
     _unsupported(data, "suffix", "")
     common = _common(data)
     best_of = _int(data, "best_of")

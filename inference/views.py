@@ -84,10 +84,7 @@ class Tokenize(TenantAPIView):
     }), tags=["utilities"])
     def post(self, request: Request) -> Response:
         data = _json_object(request)
-        unknown = sorted(set(data) - {"model", "prompt", "messages", "tools", "add_special_tokens"})
-        if unknown:
-            raise protocol.bad_request(f"Unrecognized request argument supplied: {unknown[0]}.", unknown[0],
-                                       "unknown_parameter")
+        protocol.check_fields(data, {"model", "prompt", "messages", "tools", "add_special_tokens"})
         if ("prompt" in data) == ("messages" in data):
             raise protocol.bad_request("Send either 'prompt' or 'messages'.", "prompt", "missing_required_parameter")
         special = data.get("add_special_tokens", True)
@@ -118,10 +115,7 @@ class Detokenize(TenantAPIView):
         tags=["utilities"])
     def post(self, request: Request) -> Response:
         data = _json_object(request)
-        unknown = sorted(set(data) - {"model", "tokens"})
-        if unknown:
-            raise protocol.bad_request(f"Unrecognized request argument supplied: {unknown[0]}.", unknown[0],
-                                       "unknown_parameter")
+        protocol.check_fields(data, {"model", "tokens"})
         tokens = data.get("tokens")
         if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise protocol.bad_request("'tokens' must be an array of token ids.", "tokens", "invalid_type")
