@@ -250,10 +250,13 @@ def reserve_budget(tenant: Tenant, tokens: int, now: datetime | None = None) -> 
     name, ttl_s = _month_counter(now)
     budget = tenant.tier.monthly_token_budget
     hold_s = settings.STREAM_LEASE_TTL_S
-    state = limiter().reserve_budget(_scope(tenant), name, budget, tokens, hold_s, ttl_s)
+    def used_so_far() -> int:  # asked only when Redis is away and this process never heard of the month
+        return _used_in_database(tenant, now)
+
+    state = limiter().reserve_budget(_scope(tenant), name, budget, tokens, hold_s, ttl_s, used_so_far)
     if state.status == "missing":
         monthly_tokens_used(tenant, now)  # seeds the counter from the usage records
-        state = limiter().reserve_budget(_scope(tenant), name, budget, tokens, hold_s, ttl_s)
+        state = limiter().reserve_budget(_scope(tenant), name, budget, tokens, hold_s, ttl_s, used_so_far)
     if state.status == "reserved":
         return state.reservation
     if state.status == "held":

@@ -60,9 +60,24 @@ def test_an_unreachable_redis_leaves_requests_per_minute_to_this_process(make_ti
     assert refused["x-ratelimit-remaining-requests"] == "0"
 
 
-def test_an_unreachable_redis_refuses_a_budget_this_process_never_saw_with_503(make_tenant, settings):
+def test_an_unreachable_redis_reads_a_budget_this_process_never_saw_from_the_usage_records(
+        make_tier, make_tenant, settings):
+    tier = make_tier(monthly_token_budget=1000)
+    spent, _ = make_tenant("spent", tier)
+    fresh, _ = make_tenant("fresh", tier)
+    actions.record_usage(spent, lane=1, prompt_tokens=400, completion_tokens=600)
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    quota.forget_local_limits()
+    assert quota.admit_tokens(fresh, prompt_tokens=10, max_tokens=10).budget is not None
+    with pytest.raises(errors.ApiError) as refused:
+        quota.admit_tokens(spent, prompt_tokens=10, max_tokens=10)
+    assert (refused.value.status, refused.value.code) == (429, "insufficient_quota")
+
+
+def test_with_no_share_an_unreachable_redis_refuses_a_budget_with_503(make_tenant, settings):
     tenant, _ = make_tenant("acme")
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    settings.LIMITS_FALLBACK_SHARE = 0
     with pytest.raises(redis.RedisError):  # the admission pool answers it as a 503 (tests/reliability)
         quota.admit_tokens(tenant, prompt_tokens=10, max_tokens=10)
 

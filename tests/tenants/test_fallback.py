@@ -101,6 +101,12 @@ def test_a_budget_during_a_stall_spends_only_the_room_redis_last_reported(limite
         assert over.status == "held"
         with pytest.raises(LimitsUnavailable):  # a tenant this process has not reserved for
             limiter.reserve_budget("tenant:2", "2030-01", 1000, 1, ttl_s=30, keys_ttl_s=3600)
+        # ... unless the caller can say what the month used (the usage records): its room then.
+        learned = limiter.reserve_budget("tenant:2", "2030-01", 1000, 900, ttl_s=30, keys_ttl_s=3600,
+                                         used_so_far=lambda: 950)
+        assert learned.status == "reserved"  # 50 left: taken, overrun by at most this request
+        assert limiter.reserve_budget("tenant:2", "2030-01", 1000, 1, ttl_s=30, keys_ttl_s=3600,
+                                      used_so_far=lambda: 0).status == "held"  # learned once, not reset
     answered_again(limiter)
     # The holds taken alone are in Redis: what is left is held by the generations in flight.
     assert limiter.reserve_budget("tenant:1", "2030-01", 1000, 100, ttl_s=30, keys_ttl_s=3600).status == "held"
