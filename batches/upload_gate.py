@@ -28,7 +28,8 @@ from django.conf import settings
 
 from batches.jsonl import too_many_lines
 from tenants.authentication import authenticate_bearer
-from tenants.errors import ApiError
+from tenants.errors import ApiError, missing_scope
+from tenants.models import Scope
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,12 @@ def _response(error: ApiError) -> bytes:
 def _refusal(header: str | None) -> tuple[ApiError | None, int | None]:
     """(the refusal, or None) and the key's tenant."""
     try:
-        return None, authenticate_bearer(header).tenant_id
+        api_key = authenticate_bearer(header)
     except ApiError as error:
         return error, None
+    if not api_key.allows(Scope.BATCH):  # uploads are batch input
+        return missing_scope(Scope.BATCH), None
+    return None, api_key.tenant_id
 
 
 # Uploads of each tenant this process is receiving, from the gate to the response: past

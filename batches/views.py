@@ -27,6 +27,7 @@ from batches import actions
 from batches.models import Batch, File
 from tenants.api import TenantAPIView
 from tenants.errors import ApiError
+from tenants.models import Scope
 
 MAX_PAGE = 100
 MAX_METADATA_KEYS = 16  # as OpenAI
@@ -107,6 +108,7 @@ PAGE_PARAMS = [OpenApiParameter("limit", int, description=f"1..{MAX_PAGE}, defau
 
 class FileList(TenantAPIView):
     """POST /v1/files (multipart: `file`, `purpose=batch`), GET /v1/files."""
+    scopes = {"GET": Scope.READ, "POST": Scope.BATCH}
 
     parser_classes = [MultiPartParser]
 
@@ -196,6 +198,7 @@ def _posts_off_the_shared_thread(view_class: type[TenantAPIView]):
 
 class FileDetail(TenantAPIView):
     """GET /v1/files/{id}, DELETE /v1/files/{id}."""
+    scopes = {"GET": Scope.READ, "DELETE": Scope.BATCH}
 
     @extend_schema(operation_id="retrieveFile", tags=["files"], responses={200: FILE_SCHEMA})
     def get(self, request: Request, file_id: str) -> Response:
@@ -221,6 +224,7 @@ class AnyAccept(BaseContentNegotiation):
 
 class FileContent(TenantAPIView):
     """GET /v1/files/{id}/content: the file's bytes (JSONL)."""
+    scopes = {"GET": Scope.READ}
 
     content_negotiation_class = AnyAccept
 
@@ -261,6 +265,7 @@ def _batch_spec(request: Request) -> actions.BatchSpec:
 
 class BatchList(TenantAPIView):
     """POST /v1/batches (an `Idempotency-Key` header replays the first answer), GET /v1/batches."""
+    scopes = {"GET": Scope.READ, "POST": Scope.BATCH}
 
     parser_classes = [JSONParser]
 
@@ -287,6 +292,7 @@ batch_list = _posts_off_the_shared_thread(BatchList)
 
 class BatchDetail(TenantAPIView):
     """GET /v1/batches/{id}."""
+    scopes = {"GET": Scope.READ}
 
     @extend_schema(operation_id="retrieveBatch", tags=["batches"], responses={200: BATCH_SCHEMA})
     def get(self, request: Request, batch_id: str) -> Response:
@@ -295,6 +301,7 @@ class BatchDetail(TenantAPIView):
 
 class BatchCancel(TenantAPIView):
     """POST /v1/batches/{id}/cancel: queued items stop at once, running ones are aborted."""
+    scopes = {"POST": Scope.BATCH}
 
     @extend_schema(operation_id="cancelBatch", tags=["batches"], request=None, responses={200: BATCH_SCHEMA})
     def post(self, request: Request, batch_id: str) -> Response:

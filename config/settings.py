@@ -364,6 +364,9 @@ SLOT_WAITERS_PER_TENANT = env.int("SLOT_WAITERS_PER_TENANT", default=16)
 # An open WebSocket re-reads its key at most this long after the last check: a revoked key or a
 # deactivated tenant is closed with 4401 within it, and a tier change applies to the next start.
 WS_AUTH_RECHECK_S = env.float("WS_AUTH_RECHECK_S", default=5.0)
+# How long a rotated key's old secret keeps working by default (the admin API's rotate takes
+# `grace_s`): a day, for clients to pick up the new one.
+KEY_ROTATION_GRACE_S = env.int("KEY_ROTATION_GRACE_S", default=86_400)
 # WebSockets open at once per API key (each may run many generations; each generation still
 # takes a concurrent-generation slot of its tenant).
 WS_MAX_SOCKETS_PER_KEY = env.int("WS_MAX_SOCKETS_PER_KEY", default=16)
@@ -371,13 +374,15 @@ WS_MAX_SOCKETS_PER_KEY = env.int("WS_MAX_SOCKETS_PER_KEY", default=16)
 # each costs a parse and, for `start`, an admission; an interactive client sends a few.
 WS_MAX_FRAMES_PER_S = env.float("WS_MAX_FRAMES_PER_S", default=20.0)
 
+from config import __version__ as PLATFORM_VERSION  # noqa: E402
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM inference platform API",
     "DESCRIPTION": (
         "OpenAI-compatible chat and text completions, the platform's own SSE and WebSocket "
         "streaming endpoints, and operator endpoints. Authenticate with `Authorization: Bearer sk-...`."
     ),
-    "VERSION": "1.0.0",
+    "VERSION": PLATFORM_VERSION,
     "SERVE_INCLUDE_SCHEMA": False,
     # Swagger UI's files come from the drf-spectacular-sidecar package: no CDN.
     "SWAGGER_UI_DIST": "SIDECAR",

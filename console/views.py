@@ -64,7 +64,7 @@ def tenants(request: HttpRequest) -> HttpResponse:
             return redirect("console:tenants")
         try:
             with transaction.atomic():  # a savepoint: the duplicate name's error must not poison the request
-                tenant = actions.create_tenant(name, tier)
+                tenant = actions.create_tenant(name, tier, actor=request.user.get_username())
         except IntegrityError:
             messages.error(request, f"A tenant named {name!r} exists already.")
             return redirect("console:tenants")
@@ -111,7 +111,7 @@ def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def issue_key(request: HttpRequest, pk: int) -> HttpResponse:
     tenant = get_object_or_404(Tenant.objects.select_related("tier"), pk=pk)
-    issued = actions.issue_key(tenant, name=request.POST.get("name", "").strip()[:128])
+    issued = actions.issue_key(tenant, name=request.POST.get("name", "").strip()[:128], actor=request.user.get_username())
     return _tenant_page(request, tenant, issued)
 
 
@@ -120,7 +120,7 @@ def issue_key(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def revoke_key(request: HttpRequest, pk: int, key_pk: int) -> HttpResponse:
     api_key = get_object_or_404(ApiKey, pk=key_pk, tenant_id=pk)
-    actions.revoke_key(api_key)
+    actions.revoke_key(api_key, actor=request.user.get_username())
     messages.success(request, f"Key sk-{api_key.prefix}_… revoked.")
     return redirect("console:tenant", pk=pk)
 
@@ -131,7 +131,7 @@ def revoke_key(request: HttpRequest, pk: int, key_pk: int) -> HttpResponse:
 def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
     tenant = get_object_or_404(Tenant, pk=pk)
     tier = get_object_or_404(QuotaTier, pk=request.POST.get("tier") or None)
-    actions.change_tier(tenant, tier)
+    actions.change_tier(tenant, tier, actor=request.user.get_username())
     messages.success(request, f"{tenant.name} is now on tier {tier.name}.")
     return redirect("console:tenant", pk=pk)
 
@@ -168,8 +168,9 @@ def playground(request: HttpRequest) -> HttpResponse:
                                    is_active=True)
         name = f"console playground ({request.user.get_username()})"[:128]
         for earlier in ApiKey.objects.filter(tenant=tenant, name=name, revoked__isnull=True):
-            actions.revoke_key(earlier)
+            actions.revoke_key(earlier, actor=request.user.get_username())
         context["tenant"] = tenant
-        context["issued"] = actions.issue_key(tenant, name=name, expires=timezone.now() + PLAYGROUND_KEY_TTL)
+        context["issued"] = actions.issue_key(tenant, name=name, expires=timezone.now() + PLAYGROUND_KEY_TTL,
+                                               actor=request.user.get_username())
         context["max_tokens"] = min(128, tenant.tier.max_tokens_per_request)
     return render(request, "console/playground.html", context)

@@ -214,6 +214,9 @@ class OpenAIConsumer(EngineHttpConsumer):
     def billing(self) -> dict:
         return {}  # one usage row per request, keyed by its id
 
+    def endpoint(self) -> str:
+        return self.scope["path"]
+
     async def respond(self, body: bytes) -> None:
         data = protocol.parse_body(body)
         request = protocol.parse_chat(data) if self.kind == "chat" else protocol.parse_completion(data)
@@ -221,7 +224,7 @@ class OpenAIConsumer(EngineHttpConsumer):
         # limit of 8 all ran when only streams counted.
         gen = Generation(request, self.caller(), hold_lease=self.metered,
                          id_prefix="chatcmpl" if self.kind == "chat" else "cmpl", lane_override=self.lane,
-                         metered=self.metered, request_id=self.request_id(), **self.billing())
+                         metered=self.metered, request_id=self.request_id(), endpoint=self.endpoint(), **self.billing())
         try:
             await gen.start()
             headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",
@@ -272,7 +275,7 @@ class PlatformChatConsumer(EngineHttpConsumer):
     async def respond(self, body: bytes) -> None:
         request = protocol.parse_chat(protocol.parse_body(body))
         priority = self._priority_header()
-        gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True)
+        gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True, endpoint=self.scope["path"])
         try:
             await gen.start()
             headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",

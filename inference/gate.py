@@ -26,7 +26,7 @@ from inference.protocol import GenerationRequest
 from tenants import admission, errors, quota
 from tenants.errors import ApiError
 from tenants.limits import Decision, Lease
-from tenants.models import QuotaTier, Tenant
+from tenants.models import ApiKey, QuotaTier, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class Holds:
 
     gen_id: str
     tenant: Tenant
+    api_key: ApiKey | None = None  # its own limits apply beside the tenant's
     lease: Lease | None = None
     tokens: quota.TokenAdmission | None = None
     _renewer: asyncio.Task | None = field(default=None, repr=False)
@@ -185,7 +186,7 @@ class Holds:
         monthly budget, then keep the reservation and the slots alive until `release`."""
         admit = quota.admit_tokens if metered else quota.admit_unmetered_tokens
         try:
-            self.tokens = await admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices,
+            self.tokens = await admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices, self.api_key,
                                               caller=self.caller, what="token admission")
         except ApiError as error:
             if error.param == "max_tokens":  # name the field the client sent
@@ -212,7 +213,8 @@ class Holds:
     def _renew_now(self) -> bool:
         live = quota.renew_stream(self.lease) if self.lease is not None else True
         if self.tokens is not None:
-            quota.renew_budget(self.tokens.budget)
+            for hold in self.tokens.holds:
+                quota.renew_budget(hold)
         return live
 
     async def release(self) -> None:

@@ -64,6 +64,7 @@ class Generation:
     # The usage row's key: one per generation unless given (a batch item's attempts share one).
     billing_key: str | None = None
     attempt: int = 0
+    endpoint: str = ""  # the usage row's: the API path, "batch" for batch items
 
     id: str = field(init=False)
     created: int = field(init=False)
@@ -85,11 +86,12 @@ class Generation:
     def __post_init__(self) -> None:
         self.id = self.request_id or f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.holds = gate.Holds(self.id, self.tenant)
+        self.holds = gate.Holds(self.id, self.tenant, self.caller.api_key)
         self.streams = streaming.Streams(self.id)
         self.row = billing.UsageRow(
             key=self.billing_key or self.id, request_id=self.id, tenant_id=self.tenant.pk,
             api_key_id=self.caller.api_key.pk if self.caller.api_key is not None else None, attempt=self.attempt,
+            endpoint=self.endpoint,
         )
 
     @property

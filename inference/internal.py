@@ -18,7 +18,7 @@ from inference.consumers import OpenAIConsumer
 from inference.service_tokens import is_batch_worker_token
 from tenants import admission
 from tenants.errors import ApiError
-from tenants.middleware import Scope, refuse, scope_header
+from tenants.middleware import AsgiScope, refuse, scope_header
 from tenants.models import Lane, Tenant
 
 MAX_REQUEST_ID = 64
@@ -36,7 +36,7 @@ class ServiceTokenMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: AsgiScope, receive: Any, send: Any) -> None:
         if not is_batch_worker_token(scope_header(scope, b"authorization")):
             error = ApiError(401, "Internal endpoints need 'Authorization: Bearer <BATCH_WORKER_TOKEN>'.",
                              code="invalid_service_token", headers={"WWW-Authenticate": "Bearer"})
@@ -68,6 +68,9 @@ class BatchItemConsumer(OpenAIConsumer):
         if not (item.isdigit() and attempt.isdigit()):
             return {}
         return {"billing_key": f"batch-item:{int(item)}", "attempt": int(attempt)}
+
+    def endpoint(self) -> str:
+        return "batch"
 
 
 class BatchChatConsumer(BatchItemConsumer):

@@ -62,7 +62,7 @@ class Sweeper:
     def _complete(self, client: redis.Redis, instance: str) -> int:
         reported = {key.decode(): value.decode() for key, value in client.hgetall(fleet.progress_key(instance)).items()}
         completed = 0
-        for row in UsageRecord.objects.filter(closed=False, replica=instance).select_related("tenant"):
+        for row in UsageRecord.objects.filter(closed=False, replica=instance).select_related("tenant", "api_key"):
             attempt, _, tokens = reported.get(row.key or "", "").partition(":")
             generated = int(tokens) if attempt == str(row.attempt) and tokens.isdigit() else 0
             # Only an open row of the same attempt: its process, or a later attempt, may have
@@ -71,7 +71,7 @@ class Sweeper:
                     closed=True, completion_tokens=generated, finish_reason=LOST_REPLICA):
                 completed += 1
                 try:
-                    quota.charge_monthly_tokens(row.tenant, row.prompt_tokens + generated, row.created)
+                    quota.charge_monthly_tokens(row.tenant, row.prompt_tokens + generated, row.created, row.api_key)
                 except redis.RedisError as exc:  # the month's counter is rebuilt from the rows if lost
                     log.warning("usage %s: completed, but its %d tokens are not in the month's counter: %s",
                                 row.key, row.prompt_tokens + generated, exc)

@@ -5,14 +5,18 @@ from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.request import Request
+from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
+import config
 from inference import prompts, protocol
 from inference.catalog import served_models
 from inference.engine.api import InvalidRequestError
 from inference.host import EngineUnavailable, host
 from tenants.api import TenantAPIView
 from tenants.errors import ApiError
+from tenants.models import Scope
 
 
 class Model(serializers.Serializer):
@@ -57,6 +61,20 @@ class ModelDetail(TenantAPIView):
         raise ApiError(404, f"The model '{model[:200]}' does not exist.", code="model_not_found", param="model")
 
 
+class Version(APIView):
+    """GET /version (vLLM's): the platform's release, for clients and deploy checks. Open, like
+    /healthz: it names this platform's version only, no dependency's."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes: list = []
+
+    @extend_schema(operation_id="version", tags=["utility"],
+                   responses=inline_serializer("Version", {"version": serializers.CharField()}))
+    def get(self, request: Request) -> Response:
+        return Response({"version": config.__version__})
+
+
 @csrf_exempt
 def unknown_path(request: HttpRequest) -> JsonResponse:
     """Any /v1/ or /api/ path nothing else routes: OpenAI's error shape, not Django's HTML page."""
@@ -76,6 +94,7 @@ class TokenizeRequest(serializers.Serializer):
 class Tokenize(TenantAPIView):
     """POST /tokenize (vLLM's): the token ids a prompt or a chat is, exactly as a generation would
     count them. Counted against requests/min, not tokens/min."""
+    scopes = {"POST": Scope.INFERENCE}
 
     @extend_schema(operation_id="tokenize", request=TokenizeRequest, responses=inline_serializer("Tokens", {
         "tokens": serializers.ListField(child=serializers.IntegerField()),
@@ -107,6 +126,7 @@ class Tokenize(TenantAPIView):
 
 class Detokenize(TenantAPIView):
     """POST /detokenize (vLLM's): the text of token ids. Counted against requests/min only."""
+    scopes = {"POST": Scope.INFERENCE}
 
     @extend_schema(operation_id="detokenize", request=inline_serializer("DetokenizeRequest", {
         "model": serializers.CharField(required=False),

@@ -48,6 +48,7 @@ from tenants.authentication import reload_key
 from tenants.errors import ApiError
 from tenants.limits import Lease
 from tenants.middleware import authenticate_and_admit
+from tenants.models import Scope
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +242,14 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
             request = protocol.parse_chat(body)
             if request.n != 1:
                 raise protocol.bad_request("WebSocket generations take n = 1; start several instead.", "n", "invalid_value")
-            decision = await admission.run(quota.admit_request, tenant, what="start admission",
+            if not self.caller.api_key.allows(Scope.INFERENCE):  # its scopes may have changed since
+                raise errors.missing_scope(Scope.INFERENCE)
+            decision = await admission.run(quota.admit_request, tenant, self.caller.api_key, what="start admission",
                                            caller=admission.tenant_caller(tenant.pk))
         except ApiError as error:
             return await self._error(gen_id, error)
         caller = Caller(self.caller.tenant, self.caller.api_key, decision)
-        task = asyncio.create_task(self._generate(gen_id, Generation(request, caller, hold_lease=True)))
+        task = asyncio.create_task(self._generate(gen_id, Generation(request, caller, hold_lease=True, endpoint=self.scope["path"])))
         self.generations[gen_id] = task
         task.add_done_callback(lambda _t, g=gen_id: self.generations.pop(g, None))
 

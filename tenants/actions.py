@@ -15,7 +15,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from tenants import keys, quota
-from tenants.models import ApiKey, Lane, QuotaTier, Tenant, UsageRecord
+from tenants.models import ApiKey, AuditEntry, Lane, QuotaTier, Scope, Tenant, UsageRecord
 
 if TYPE_CHECKING:
     from tenants.ledger import UsageEntry
@@ -34,6 +34,32 @@ class IssuedKey:
     plaintext: str
 
 
+def _tier_state(tier: QuotaTier) -> dict:
+    return {"name": tier.name, "lane": tier.lane, "requests_per_minute": tier.requests_per_minute,
+            "tokens_per_minute": tier.tokens_per_minute, "concurrent_streams": tier.concurrent_streams,
+            "max_tokens_per_request": tier.max_tokens_per_request, "monthly_token_budget": tier.monthly_token_budget,
+            "allow_batch": tier.allow_batch, "share_prefix_cache": tier.share_prefix_cache}
+
+
+def _tenant_state(tenant: Tenant) -> dict:
+    return {"name": tenant.name, "tier": tenant.tier.name, "is_active": tenant.is_active}
+
+
+def _key_state(api_key: ApiKey) -> dict:
+    def when(value: datetime | None) -> str | None:
+        return value.isoformat() if value is not None else None
+    return {"tenant": api_key.tenant_id, "name": api_key.name, "prefix": api_key.prefix, "scopes": list(api_key.scopes),
+            "requests_per_minute": api_key.requests_per_minute, "tokens_per_minute": api_key.tokens_per_minute,
+            "monthly_token_budget": api_key.monthly_token_budget, "expires": when(api_key.expires),
+            "revoked": when(api_key.revoked)}
+
+
+def _audit(actor: str | None, action: str, target: str, before: dict | None, after: dict | None) -> None:
+    """Record a staff write (in the caller's transaction); `actor` None: not a staff write (tests, seeding)."""
+    if actor is not None and before != after:
+        AuditEntry.objects.create(actor=actor[:150], action=action, target=target[:200], before=before, after=after)
+
+
 def save_tier(
     name: str,
     *,
@@ -45,63 +71,125 @@ def save_tier(
     monthly_token_budget: int,
     allow_batch: bool = False,
     share_prefix_cache: bool = False,
+    actor: str | None = None,
 ) -> tuple[QuotaTier, bool]:
     """Create the tier or update it in place; returns (tier, created)."""
-    return QuotaTier.objects.update_or_create(
-        name=name,
-        defaults={
-            "lane": Lane(lane),
-            "requests_per_minute": requests_per_minute,
-            "tokens_per_minute": tokens_per_minute,
-            "concurrent_streams": concurrent_streams,
-            "max_tokens_per_request": max_tokens_per_request,
-            "monthly_token_budget": monthly_token_budget,
-            "allow_batch": allow_batch,
-            "share_prefix_cache": share_prefix_cache,
-        },
-    )
+    with transaction.atomic():
+        existing = QuotaTier.objects.select_for_update().filter(name=name).first()
+        before = _tier_state(existing) if existing is not None else None
+        tier, created = QuotaTier.objects.update_or_create(
+            name=name,
+            defaults={
+                "lane": Lane(lane),
+                "requests_per_minute": requests_per_minute,
+                "tokens_per_minute": tokens_per_minute,
+                "concurrent_streams": concurrent_streams,
+                "max_tokens_per_request": max_tokens_per_request,
+                "monthly_token_budget": monthly_token_budget,
+                "allow_batch": allow_batch,
+                "share_prefix_cache": share_prefix_cache,
+            },
+        )
+        _audit(actor, "tier.create" if created else "tier.update", f"tier:{tier.name}", before, _tier_state(tier))
+    return tier, created
 
 
-def create_tenant(name: str, tier: QuotaTier) -> Tenant:
-    return Tenant.objects.create(name=name, tier=tier)
+def create_tenant(name: str, tier: QuotaTier, actor: str | None = None) -> Tenant:
+    with transaction.atomic():
+        tenant = Tenant.objects.create(name=name, tier=tier)
+        _audit(actor, "tenant.create", f"tenant:{tenant.pk}", None, _tenant_state(tenant))
+    return tenant
 
 
-def change_tier(tenant: Tenant, tier: QuotaTier) -> Tenant:
+def change_tier(tenant: Tenant, tier: QuotaTier, actor: str | None = None) -> Tenant:
     """Move a tenant to another tier. Limits are read per request, so this applies at once."""
-    tenant.tier = tier
-    tenant.save(update_fields=["tier"])
-    return tenant
+    return update_tenant(tenant, name=tenant.name, tier=tier, is_active=tenant.is_active, actor=actor)
 
 
-def update_tenant(tenant: Tenant, *, name: str, tier: QuotaTier, is_active: bool) -> Tenant:
+def set_active(tenant: Tenant, is_active: bool, actor: str | None = None) -> Tenant:
+    """Deactivate (its keys are refused, its open sockets closed at their next re-check) or reactivate."""
+    return update_tenant(tenant, name=tenant.name, tier=tenant.tier, is_active=is_active, actor=actor)
+
+
+def update_tenant(tenant: Tenant, *, name: str, tier: QuotaTier, is_active: bool, actor: str | None = None) -> Tenant:
     """Save all of a tenant's editable fields (the admin hands over an instance its form
-    already changed, so comparing against it would miss the change)."""
-    tenant.name, tenant.tier, tenant.is_active = name, tier, is_active
-    tenant.save(update_fields=["name", "tier", "is_active"])
+    already changed, so comparing against it would miss the change: the row is read again)."""
+    with transaction.atomic():
+        stored = Tenant.objects.select_related("tier").select_for_update().filter(pk=tenant.pk).first()
+        before = _tenant_state(stored) if stored is not None else None
+        tenant.name, tenant.tier, tenant.is_active = name, tier, is_active
+        tenant.save(update_fields=["name", "tier", "is_active"])
+        after = _tenant_state(tenant)
+        action = "tenant.change_tier" if before and before["tier"] != after["tier"] else (
+            "tenant.deactivate" if before and before["is_active"] and not is_active else
+            "tenant.reactivate" if before and not before["is_active"] and is_active else "tenant.update")
+        _audit(actor, action, f"tenant:{tenant.pk}", before, after)
     return tenant
 
 
-def issue_key(tenant: Tenant, name: str = "", expires: datetime | None = None) -> IssuedKey:
-    """Create a key; only its prefix and digest are stored."""
+def check_scopes(scopes: list[str]) -> list[str]:
+    """The scopes, validated and deduplicated in a stable order; ValueError names a wrong one."""
+    known = [choice.value for choice in Scope]
+    for scope in scopes:
+        if scope not in known:
+            raise ValueError(f"unknown scope {scope!r}: use {', '.join(known)}")
+    return [scope for scope in known if scope in scopes]
+
+
+def issue_key(tenant: Tenant, name: str = "", expires: datetime | None = None, *, scopes: list[str] | None = None,
+              requests_per_minute: int | None = None, tokens_per_minute: int | None = None,
+              monthly_token_budget: int | None = None, actor: str | None = None) -> IssuedKey:
+    """Create a key; only its prefix and digest are stored. Its own limits (None: the
+    tenant's) apply beside the tenant's, so a key never exceeds its tenant."""
+    scopes = check_scopes(scopes or [])
     for _ in range(5):
         new = keys.generate()
         try:
             with transaction.atomic():
                 api_key = ApiKey.objects.create(
-                    tenant=tenant, name=name, prefix=new.prefix, digest=keys.digest(new.plaintext), expires=expires
+                    tenant=tenant, name=name, prefix=new.prefix, digest=keys.digest(new.plaintext), expires=expires,
+                    scopes=scopes, requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
+                    monthly_token_budget=monthly_token_budget,
                 )
+                _audit(actor, "key.issue", f"key:{api_key.prefix}", None, _key_state(api_key))
         except IntegrityError:
             continue  # prefix collision (48 random bits): draw again
         return IssuedKey(api_key=api_key, plaintext=new.plaintext)
     raise RuntimeError("could not draw a unique key prefix")
 
 
-def revoke_key(api_key: ApiKey, now: datetime | None = None) -> ApiKey:
+def revoke_key(api_key: ApiKey, now: datetime | None = None, actor: str | None = None) -> ApiKey:
     """Refuse the key from now on. Revoking twice keeps the first time."""
     if api_key.revoked is None:
-        api_key.revoked = now or timezone.now()
-        api_key.save(update_fields=["revoked"])
+        with transaction.atomic():
+            before = _key_state(api_key)
+            api_key.revoked = now or timezone.now()
+            api_key.save(update_fields=["revoked"])
+            _audit(actor, "key.revoke", f"key:{api_key.prefix}", before, _key_state(api_key))
     return api_key
+
+
+def rotate_key(api_key: ApiKey, grace: timedelta, actor: str | None = None, now: datetime | None = None) -> IssuedKey:
+    """A new key with the old one's name, scopes and limits; the old one keeps working for
+    `grace` (or until its own expiry, if sooner), then is refused as expired. Rotating a key
+    already rotated refuses: rotate the key that replaced it."""
+    now = now or timezone.now()
+    if api_key.revoked is not None or not api_key.is_usable(now):
+        raise ValueError("only a live key can be rotated")
+    if api_key.replaced_by_id is not None:
+        raise ValueError("this key was already rotated: rotate the key that replaced it")
+    with transaction.atomic():
+        issued = issue_key(api_key.tenant, api_key.name, api_key.expires, scopes=list(api_key.scopes),
+                           requests_per_minute=api_key.requests_per_minute, tokens_per_minute=api_key.tokens_per_minute,
+                           monthly_token_budget=api_key.monthly_token_budget)
+        before = _key_state(api_key)
+        ends = now + grace
+        api_key.expires = ends if api_key.expires is None else min(api_key.expires, ends)
+        api_key.replaced_by = issued.api_key
+        api_key.save(update_fields=["expires", "replaced_by"])
+        _audit(actor, "key.rotate", f"key:{api_key.prefix}", before,
+               {**_key_state(api_key), "replaced_by": issued.api_key.prefix})
+    return issued
 
 
 def key_use_is_news(api_key: ApiKey, now: datetime) -> bool:
@@ -142,6 +230,8 @@ def record_usage(
     ttft_ms: int | None = None,
     latency_ms: int | None = None,
     finish_reason: str = "",
+    endpoint: str = "",
+    cached_tokens: int = 0,
 ) -> UsageRecord:
     """Store one request's usage (aborted ones too) and charge it to the monthly budget.
 
@@ -156,11 +246,13 @@ def record_usage(
         lane=Lane(lane),
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        endpoint=endpoint,
         ttft_ms=ttft_ms,
         latency_ms=latency_ms,
         finish_reason=finish_reason,
     )
-    quota.charge_monthly_tokens(tenant, record.total_tokens, record.created)
+    quota.charge_monthly_tokens(tenant, record.total_tokens, record.created, api_key)
     return record
 
 
@@ -182,6 +274,7 @@ def apply_usage(entry: UsageEntry) -> None:
         "tenant_id": entry.tenant_id, "api_key_id": entry.api_key_id, "request_id": entry.request_id[:64],
         "model": entry.model[:128], "lane": Lane(entry.lane), "attempt": entry.attempt,
         "prompt_tokens": entry.prompt_tokens, "completion_tokens": entry.completion_tokens,
+        "cached_tokens": entry.cached_tokens, "endpoint": entry.endpoint[:64],
         "ttft_ms": entry.ttft_ms, "latency_ms": entry.latency_ms, "finish_reason": entry.finish_reason[:32],
         "created": entry.created_at, "closed": entry.op == "close", "replica": entry.replica[:100],
     }
@@ -206,7 +299,7 @@ def apply_usage(entry: UsageEntry) -> None:
         row.save()
     if replaced is not None:
         try:
-            quota.charge_monthly_tokens(row.tenant, -replaced[0], replaced[1])
+            quota.charge_monthly_tokens(row.tenant, -replaced[0], replaced[1], row.api_key)
         except Exception as exc:  # over-counts the budget until the month ends, never the bill
             log.warning("usage %s: could not give back a replaced attempt's %d tokens: %s",
                                                 entry.key, replaced[0], exc)

@@ -8,7 +8,7 @@ from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
 from tenants import actions
-from tenants.models import ApiKey, QuotaTier, Tenant, UsageRecord
+from tenants.models import ApiKey, AuditEntry, QuotaTier, Tenant, UsageRecord
 
 
 class NoDeleteAdmin(admin.ModelAdmin):
@@ -41,7 +41,7 @@ class QuotaTierAdmin(NoDeleteAdmin):
 
     def save_model(self, request: HttpRequest, obj: QuotaTier, form: Any, change: bool) -> None:
         limits = {f.name: getattr(obj, f.name) for f in QuotaTier._meta.concrete_fields if f.name not in ("id", "name")}
-        tier, _ = actions.save_tier(obj.name, **limits)
+        tier, _ = actions.save_tier(obj.name, **limits, actor=request.user.get_username())
         _adopt(obj, tier)
 
 
@@ -67,12 +67,17 @@ class TenantAdmin(NoDeleteAdmin):
 
     def save_model(self, request: HttpRequest, obj: Tenant, form: Any, change: bool) -> None:
         if change:
-            actions.update_tenant(obj, name=obj.name, tier=obj.tier, is_active=obj.is_active)
+            actions.update_tenant(obj, name=obj.name, tier=obj.tier, is_active=obj.is_active,
+                                  actor=request.user.get_username())
         else:
-            tenant = actions.create_tenant(obj.name, obj.tier)
+            tenant = actions.create_tenant(obj.name, obj.tier, actor=request.user.get_username())
             if not obj.is_active:
-                actions.update_tenant(tenant, name=tenant.name, tier=tenant.tier, is_active=False)
+                actions.set_active(tenant, False, actor=request.user.get_username())
             _adopt(obj, tenant)
+
+
+# A key's own limits and scopes are set when it is issued (rotation carries them over).
+KEY_LIMITS = ["scopes", "requests_per_minute", "tokens_per_minute", "monthly_token_budget"]
 
 
 @admin.register(ApiKey)
@@ -84,8 +89,8 @@ class ApiKeyAdmin(NoDeleteAdmin):
 
     def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         if obj is None:
-            return ["tenant", "name", "expires"]
-        return ["tenant", "name", "prefix", "created", "last_used", "expires", "revoked"]
+            return ["tenant", "name", "expires", *KEY_LIMITS]
+        return ["tenant", "name", "prefix", "created", "last_used", "expires", "revoked", *KEY_LIMITS, "replaced_by"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         # A key never changes after issue; it is revoked instead.
@@ -94,7 +99,9 @@ class ApiKeyAdmin(NoDeleteAdmin):
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         if change:
             return
-        issued = actions.issue_key(obj.tenant, name=obj.name, expires=obj.expires)
+        issued = actions.issue_key(obj.tenant, name=obj.name, expires=obj.expires, scopes=obj.scopes,
+                                   requests_per_minute=obj.requests_per_minute, tokens_per_minute=obj.tokens_per_minute,
+                                   monthly_token_budget=obj.monthly_token_budget, actor=request.user.get_username())
         _adopt(obj, issued.api_key)
         request._issued_plaintext = issued.plaintext  # read once by response_add
 
@@ -118,7 +125,7 @@ class ApiKeyAdmin(NoDeleteAdmin):
     @admin.action(description="Revoke selected keys")
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for api_key in queryset:
-            actions.revoke_key(api_key)
+            actions.revoke_key(api_key, actor=request.user.get_username())
         self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)
 
 
@@ -134,3 +141,20 @@ class UsageRecordAdmin(NoDeleteAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(NoDeleteAdmin):
+    """Staff writes, read-only: nobody edits the record of what they did."""
+
+    list_display = ["at", "actor", "action", "target"]
+    list_filter = ["action", "actor"]
+    search_fields = ["target", "actor"]
+    date_hierarchy = "at"
+    readonly_fields = ["at", "actor", "action", "target", "before", "after"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -112,13 +112,15 @@ def rate_limited(decision: Decision) -> ApiError:
     bucket = decision.refused_by
     if bucket is None:
         raise ValueError("rate_limited() needs a refused decision")
-    message = _RATE_LIMIT_MESSAGES[bucket.name].format(
+    message = _RATE_LIMIT_MESSAGES[bucket.kind].format(
         limit=bucket.limit, remaining=bucket.remaining, wait=format_reset(bucket.retry_after_s)
     )
+    if bucket.of_key:
+        message = "This API key's own limit: " + message[0].lower() + message[1:]
     return ApiError(
         429,
         message,
-        type=bucket.name,
+        type=bucket.kind,
         code="rate_limit_exceeded",
         headers={"Retry-After": retry_after(bucket.retry_after_s), **rate_limit_headers(decision)},
     )
@@ -137,10 +139,11 @@ def slot_queue_full(limit: int, waiting: int) -> ApiError:
     )
 
 
-def quota_exhausted(budget: int, seconds_to_reset: float) -> ApiError:
+def quota_exhausted(budget: int, seconds_to_reset: float, of_key: bool = False) -> ApiError:
+    whose = "This API key exceeded its own" if of_key else "You exceeded your"
     return ApiError(
         429,
-        f"You exceeded your monthly token budget of {budget}. It resets at the start of next month (UTC).",
+        f"{whose} monthly token budget of {budget}. It resets at the start of next month (UTC).",
         type="insufficient_quota",
         code="insufficient_quota",
         headers={"Retry-After": retry_after(seconds_to_reset)},
@@ -152,10 +155,11 @@ def quota_exhausted(budget: int, seconds_to_reset: float) -> ApiError:
 BUDGET_HELD_RETRY_S = 2
 
 
-def budget_held(budget: int, used: int, reserved: int) -> ApiError:
+def budget_held(budget: int, used: int, reserved: int, of_key: bool = False) -> ApiError:
+    whose = "This API key's own" if of_key else "Your"
     return ApiError(
         429,
-        f"Your monthly token budget of {budget} has {max(0, budget - used)} tokens left, all of them reserved by "
+        f"{whose} monthly token budget of {budget} has {max(0, budget - used)} tokens left, all of them reserved by "
         f"your requests in flight ({reserved} tokens at most). Try again when one of them ends.",
         type="insufficient_quota",
         code="budget_reserved",
@@ -211,3 +215,14 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
     if isinstance(exc, db.Error):
         return as_response(database_unavailable(exc))
     return None
+
+
+def missing_scope(scope: str) -> ApiError:
+    """403 for a key whose scopes leave out what the endpoint needs; `code` names the scope."""
+    return ApiError(
+        403,
+        f"This API key lacks the '{scope}' scope this endpoint needs. Use a key with it, or ask an owner of the "
+        "organization to add it.",
+        type="permission_error",
+        code=f"missing_scope_{scope}",
+    )

@@ -78,6 +78,8 @@ class UsageEntry:
     latency_ms: int | None = None
     finish_reason: str = ""
     replica: str = ""  # the serving process (inference.fleet.instance()), "" outside the fleet
+    endpoint: str = ""  # the API path, "batch" for batch items
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

@@ -214,6 +214,15 @@ class BucketState:
     def allowed(self) -> bool:
         return self.retry_after_s == 0
 
+    @property
+    def kind(self) -> str:
+        """"requests" for both a tenant's bucket and a key's own ("requests@key12")."""
+        return self.name.partition("@")[0]
+
+    @property
+    def of_key(self) -> bool:
+        return "@" in self.name
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -223,8 +232,9 @@ class Decision:
     buckets: tuple[BucketState, ...]
     local: bool = False  # decided by this process's stand-in while Redis was away (tenants.fallback)
 
-    def bucket(self, name: str) -> BucketState | None:
-        return next((b for b in self.buckets if b.name == name), None)
+    def bucket(self, kind: str) -> BucketState | None:
+        """The tightest bucket of `kind` (a key's own limit may be below its tenant's)."""
+        return min((b for b in self.buckets if b.kind == kind), key=lambda b: b.remaining, default=None)
 
     @property
     def refused_by(self) -> BucketState | None:

@@ -20,12 +20,12 @@ from django.conf import settings
 from tenants import admission, errors, keys, quota
 from tenants.authentication import authenticate_bearer, bearer_token, note_key_use
 from tenants.limits import Decision
-from tenants.models import ApiKey
+from tenants.models import ApiKey, Scope
 
-Scope = dict[str, Any]
+AsgiScope = dict[str, Any]
 
 
-def scope_header(scope: Scope, name: bytes) -> str | None:
+def scope_header(scope: AsgiScope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
             return value.decode("latin-1")
@@ -73,7 +73,10 @@ def _remember(api_key: ApiKey) -> None:
 def _authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     api_key = authenticate_bearer(header)
     _remember(api_key)
-    decision = quota.admit_request(api_key.tenant)
+    # Every route behind this middleware generates (chat, completions, the WebSocket).
+    if not api_key.allows(Scope.INFERENCE):
+        raise errors.missing_scope(Scope.INFERENCE)
+    decision = quota.admit_request(api_key.tenant, api_key)
     note_key_use(api_key)
     return api_key, decision
 
@@ -121,7 +124,7 @@ class ApiKeyAuthMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: AsgiScope, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         header = scope_header(scope, b"authorization")
@@ -146,7 +149,7 @@ class ApiKeyAuthMiddleware:
             if caller is not None:
                 _leave(caller)
 
-    async def _socket(self, scope: Scope, receive: Any, send: Any, header: str | None) -> None:
+    async def _socket(self, scope: AsgiScope, receive: Any, send: Any, header: str | None) -> None:
         """A WebSocket handshake: its generations are bounded per `start` message, not here."""
         if header is None:
             # Browsers cannot set headers on a WebSocket: the consumer takes the key from
@@ -160,7 +163,7 @@ class ApiKeyAuthMiddleware:
                               receive, send)
 
 
-async def refuse(scope: Scope, receive: Any, send: Any, error: errors.ApiError) -> None:
+async def refuse(scope: AsgiScope, receive: Any, send: Any, error: errors.ApiError) -> None:
     body = json.dumps(error.body()).encode()
     if scope["type"] == "http":
         headers = [(b"content-type", b"application/json")]

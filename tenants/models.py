@@ -66,10 +66,19 @@ class Tenant(models.Model):
         return str(self.pk)
 
 
+class Scope(models.TextChoices):
+    """What a key may do; a key with no scopes may do everything its tenant may."""
+
+    INFERENCE = "inference", "inference: chat, completions, WebSocket, tokenize"
+    BATCH = "batch", "batch: upload files, create and cancel batches"
+    READ = "read", "read: files, batches and usage"
+
+
 class ApiKey(models.Model):
     """A tenant's API key, stored as a public prefix and a SHA-256 digest of the whole key.
 
-    The plaintext `sk-<prefix>_<secret>` exists only in the response that issued it.
+    The plaintext `sk-<prefix>_<secret>` exists only in the response that issued it. Its own
+    limits (empty: the tenant's) apply on top of the tenant's: a key never exceeds its tenant.
     """
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
@@ -80,6 +89,14 @@ class ApiKey(models.Model):
     last_used = models.DateTimeField(null=True, blank=True, editable=False)
     expires = models.DateTimeField(null=True, blank=True, help_text="Empty: never expires.")
     revoked = models.DateTimeField(null=True, blank=True, editable=False)
+    scopes = models.JSONField(default=list, blank=True,
+                              help_text='A list of "inference", "batch", "read"; empty: all of them.')
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the tenant's.")
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the tenant's.")
+    monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: the tenant's.")
+    # Set when the key was rotated: the key that replaced it (this one lapses at `expires`).
+    replaced_by = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True, editable=False,
+                                    related_name="replaces")
 
     class Meta:
         ordering = ["-created"]
@@ -90,6 +107,9 @@ class ApiKey(models.Model):
 
     def is_usable(self, now) -> bool:
         return self.revoked is None and (self.expires is None or now < self.expires)
+
+    def allows(self, scope: str) -> bool:
+        return not self.scopes or scope in self.scopes
 
 
 class UsageRecord(models.Model):
@@ -113,7 +133,9 @@ class UsageRecord(models.Model):
     request_id = models.CharField(max_length=64, blank=True)
     model = models.CharField(max_length=128, blank=True)
     lane = models.PositiveSmallIntegerField(choices=Lane.choices)
+    endpoint = models.CharField(max_length=64, blank=True, help_text="The API path, or \"batch\" for batch items.")
     prompt_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0, help_text="Prompt tokens served from the prefix cache.")
     completion_tokens = models.PositiveIntegerField(default=0)
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     latency_ms = models.PositiveIntegerField(null=True, blank=True)
@@ -124,6 +146,7 @@ class UsageRecord(models.Model):
         ordering = ["-created"]
         indexes = [
             models.Index(fields=["tenant", "created"]),
+            models.Index(fields=["api_key", "created"]),
             models.Index(fields=["replica"], condition=models.Q(closed=False), name="usage_open_by_replica"),
         ]
 
@@ -133,3 +156,24 @@ class UsageRecord(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class AuditEntry(models.Model):
+    """One staff write (admin API, console, management command): who, what, when, before/after.
+
+    Written in the same transaction as the change it records; never edited."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.CharField(max_length=150, help_text="The staff user's name, \"service-token\" or \"manage.py\".")
+    action = models.CharField(max_length=64)  # e.g. "tenant.change_tier", "key.revoke"
+    target = models.CharField(max_length=200)  # e.g. "tenant:3", "key:sk-ab12cd34ef56"
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        verbose_name = "audit entry"
+        verbose_name_plural = "audit log"
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target}"

@@ -15,5 +15,5 @@ class TenantRequestThrottle(BaseThrottle):
 
     def allow_request(self, request: Request, view: Any) -> bool:
         if isinstance(request.user, Tenant):
-            request.rate_limit = quota.admit_request(request.user)
+            request.rate_limit = quota.admit_request(request.user, request.auth)
         return True

@@ -6,7 +6,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from tenants import actions
-from tenants.models import Tenant
+from tenants.management import lookup
 
 
 class Command(BaseCommand):
@@ -16,16 +16,21 @@ class Command(BaseCommand):
         parser.add_argument("tenant", help="tenant name or id")
         parser.add_argument("--name", default="", help="a label for the key")
         parser.add_argument("--expires-in-days", type=int, default=None, help="default: never expires")
+        parser.add_argument("--scopes", default="", help="comma-separated: inference, batch, read; default all")
+        parser.add_argument("--rpm", type=int, default=None, help="the key's own requests/min; default its tenant's")
+        parser.add_argument("--tpm", type=int, default=None, help="the key's own tokens/min; default its tenant's")
+        parser.add_argument("--monthly-budget", type=int, default=None, help="the key's own monthly tokens")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        ref = options["tenant"]
-        tenant = Tenant.objects.filter(name=ref).first()
-        if tenant is None and ref.isdigit():
-            tenant = Tenant.objects.filter(pk=int(ref)).first()
-        if tenant is None:
-            raise CommandError(f"No tenant named {ref!r}.")
+        tenant = lookup.tenant(options["tenant"])
         days = options["expires_in_days"]
         expires = timezone.now() + timedelta(days=days) if days is not None else None
-        issued = actions.issue_key(tenant, name=options["name"], expires=expires)
+        scopes = [part.strip() for part in options["scopes"].split(",") if part.strip()]
+        try:
+            issued = actions.issue_key(tenant, name=options["name"], expires=expires, scopes=scopes,
+                                       requests_per_minute=options["rpm"], tokens_per_minute=options["tpm"],
+                                       monthly_token_budget=options["monthly_budget"], actor=lookup.actor())
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         self.stdout.write(f"Issued key {issued.api_key.prefix} for tenant {tenant.name}; it is shown only once:")
         self.stdout.write(issued.plaintext)
