@@ -12,6 +12,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from config import static_files
 from inference import health, operator_views, views
+from tenants import urls as tenant_urls, views as tenant_views
 
 SCHEMA_HOOKS = ["drf_spectacular.hooks.postprocess_schema_enums", "inference.openapi.close_request_bodies"]
 
@@ -24,6 +25,10 @@ urlpatterns = [
     path("tokenize", views.Tokenize.as_view(), name="tokenize"),
     path("detokenize", views.Detokenize.as_view(), name="detokenize"),
     path("v1/", include("batches.urls")),
+    path("v1/usage", tenant_views.Usage.as_view(), name="usage"),
+    path("v1/organization/usage/completions", tenant_views.OrganizationUsage.as_view()),
+    path("version", views.Version.as_view(), name="version"),
+    path("api/v1/admin/", include((tenant_urls.admin_urlpatterns, "admin-api"))),
     path("api/v1/engine/stats", operator_views.engine_stats, name="engine-stats"),
     path("api/v1/engine/fleet", operator_views.engine_fleet, name="engine-fleet"),
     # The schema covers the consumer endpoints too (see inference.openapi); open to all, as docs are.

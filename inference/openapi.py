@@ -9,7 +9,7 @@ that validates: the tests fuzz the live server from this schema to keep them in 
 from __future__ import annotations
 
 from django.conf import settings
-from django.urls import path
+from django.urls import include, path
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field,
                                    inline_serializer)
@@ -20,7 +20,8 @@ from rest_framework.views import APIView
 from batches import views as batch_views
 from inference import protocol
 from inference.engine.api import LIMITS, MAX_N
-from inference.views import Detokenize, ModelDetail, ModelList, Tokenize
+from inference.views import Detokenize, ModelDetail, ModelList, Tokenize, Version
+from tenants import urls as tenant_urls, views as tenant_views
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -459,6 +460,9 @@ urlpatterns = [
     path("v1/batches", batch_views.BatchList.as_view()),
     path("v1/batches/<str:batch_id>", batch_views.BatchDetail.as_view()),
     path("v1/batches/<str:batch_id>/cancel", batch_views.BatchCancel.as_view()),
+    path("v1/usage", tenant_views.Usage.as_view()),
+    path("version", Version.as_view()),
+    path("api/v1/admin/", include(tenant_urls.admin_urlpatterns)),
     path("v1/chat/completions", ChatCompletionsDoc.as_view()),
     path("v1/completions", CompletionsDoc.as_view()),
     path("api/v1/inference/chat", PlatformChatDoc.as_view()),

@@ -23,6 +23,7 @@ TIERS = {
                      "max_tokens_per_request": 50, "monthly_token_budget": 10**6},
     # Fuzzing: many requests, each short.
     "live-fuzz": {"lane": 1, **{**BIG, "max_tokens_per_request": 8}, "allow_batch": True},
+    "live-batch": {"lane": 1, **BIG, "allow_batch": True},
 }
 
 TENANTS = {
@@ -56,6 +57,8 @@ TENANTS = {
     "ids": "live-p1",
     # test_tokenize.py
     "tokens": "live-p1",
+    # test_keys_and_usage.py
+    "keys": "live-batch",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
