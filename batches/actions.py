@@ -26,14 +26,15 @@ from typing import BinaryIO
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Count, F, Q
+from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from config import redis as shared_redis
 from batches import jsonl
 from batches.models import Batch, BatchItem, File
+from inference import catalog
 from tenants.errors import ApiError
-from tenants.models import Tenant
+from tenants.models import Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def _create_batch(tenant: Tenant, spec: BatchSpec) -> Batch:
         raise ApiError(404, f"No file with id '{spec.input_file_id}' (purpose \"batch\") was found.",
                        code="file_not_found", param="input_file_id")
     now = _now()
-    batch = Batch.objects.create(tenant=tenant, endpoint=spec.endpoint, input_file_id=file.id,
+    batch = Batch.objects.create(tenant=tenant, endpoint=spec.endpoint, model=catalog.served_model_id(),
+                                 input_file_id=file.id,
                                  completion_window=spec.completion_window, metadata=spec.metadata,
                                  idempotency_key=spec.idempotency_key, created_at=now, expires_at=now + window)
     lines = jsonl.parse_stored(bytes(file.content))
@@ -202,7 +204,7 @@ def _ts(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
 
 
-def batch_object(batch: Batch, counts: dict[str, int] | None = None) -> dict:
+def batch_object(batch: Batch, counts: dict[str, int] | None = None, usage: dict | None = None) -> dict:
     return {
         "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": batch.errors,
         "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": batch.status,
@@ -213,8 +215,28 @@ def batch_object(batch: Batch, counts: dict[str, int] | None = None) -> dict:
         "expired_at": _ts(batch.expired_at), "cancelling_at": _ts(batch.cancelling_at),
         "cancelled_at": _ts(batch.cancelled_at),
         "request_counts": counts if counts is not None else request_counts(batch),
-        "metadata": batch.metadata,
+        "metadata": batch.metadata, "model": batch.model or None,
+        "usage": usage if usage is not None else batch_usage(batch),
     }
+
+
+def batch_usage(batch: Batch) -> dict:
+    """The tokens its items used so far, from their usage rows (one per item, whatever its attempts)."""
+    return usage_of([batch.id])[batch.id]
+
+
+def usage_of(batch_ids: list[str]) -> dict[str, dict]:
+    """OpenAI's batch `usage` of each batch, in one query."""
+    totals = {row["batch"]: row for row in UsageRecord.objects.filter(batch__in=batch_ids).values("batch").annotate(
+        input=Sum("prompt_tokens"), cached=Sum("cached_tokens"), output=Sum("completion_tokens"))}
+    usage = {}
+    for batch_id in batch_ids:
+        row = totals.get(batch_id, {})
+        given, cached, made = row.get("input") or 0, row.get("cached") or 0, row.get("output") or 0
+        usage[batch_id] = {"input_tokens": given, "input_tokens_details": {"cached_tokens": cached},
+                           "output_tokens": made, "output_tokens_details": {"reasoning_tokens": 0},
+                           "total_tokens": given + made}
+    return usage
 
 
 # --- the worker's side of an item ---------------------------------------------------------

@@ -72,6 +72,7 @@ class Batch(models.Model):
     id = models.CharField(primary_key=True, max_length=40, default=_batch_id, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
     endpoint = models.CharField(max_length=64)
+    model = models.CharField(max_length=128, blank=True)  # the model the batch's lines run on
     input_file_id = models.CharField(max_length=40)
     completion_window = models.CharField(max_length=16, default="24h")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.VALIDATING, db_index=True)

@@ -90,6 +90,13 @@ BATCH_FIELDS = {
         "total": serializers.IntegerField(), "completed": serializers.IntegerField(),
         "failed": serializers.IntegerField()}),
     "metadata": serializers.DictField(allow_null=True),
+    "model": serializers.CharField(allow_null=True),
+    "usage": inline_serializer("BatchUsage", {
+        "input_tokens": serializers.IntegerField(),
+        "input_tokens_details": inline_serializer("BatchInputTokensDetails", {"cached_tokens": serializers.IntegerField()}),
+        "output_tokens": serializers.IntegerField(),
+        "output_tokens_details": inline_serializer("BatchOutputTokensDetails", {"reasoning_tokens": serializers.IntegerField()}),
+        "total_tokens": serializers.IntegerField()}, help_text="The tokens its items used so far; each item billed once."),
 }
 FILE_SCHEMA = inline_serializer("File", FILE_FIELDS)
 BATCH_SCHEMA = inline_serializer("Batch", BATCH_FIELDS)

@@ -80,7 +80,8 @@ async def _post(client: httpx.AsyncClient, item: BatchItem, request_id: str) -> 
     url = settings.BATCH_ENGINE_URL.rstrip("/") + INTERNAL_PATHS[item.url]
     # The item and its attempt make the engine's usage row one per item (tenants.actions.apply_usage).
     headers = {"Authorization": f"Bearer {settings.BATCH_WORKER_TOKEN}", "X-Tenant-Id": str(item.batch.tenant_id),
-               "X-Request-Id": request_id, "X-Batch-Item": str(item.pk), "X-Batch-Attempt": str(item.runs)}
+               "X-Request-Id": request_id, "X-Batch-Item": str(item.pk), "X-Batch-Attempt": str(item.runs),
+               "X-Batch-Id": item.batch_id}
     response = await client.post(url, json=item.body, headers=headers)
     try:
         body = public_errors.response_body(response.json(), response.status_code)

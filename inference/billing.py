@@ -103,6 +103,7 @@ class UsageRow:
     journaled: bool = False
     replica: str = ""
     endpoint: str = ""
+    batch: str = ""
 
     def open(self, lane: int, model: str, prompt_tokens: int, generated: Callable[[], int]) -> None:
         """Journal the row before the engine sees the request: whatever happens next, it is
@@ -147,7 +148,7 @@ class UsageRow:
             op=op, key=self.key, tenant_id=self.tenant_id, lane=self.lane, created=self.created,
             api_key_id=self.api_key_id, request_id=self.request_id, model=self.model, attempt=self.attempt,
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, replica=self.replica,
-            cached_tokens=usage.cached_tokens, endpoint=self.endpoint, **timings,
+            cached_tokens=usage.cached_tokens, endpoint=self.endpoint, batch=self.batch, **timings,
         )
 
 

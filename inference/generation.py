@@ -65,6 +65,7 @@ class Generation:
     billing_key: str | None = None
     attempt: int = 0
     endpoint: str = ""  # the usage row's: the API path, "batch" for batch items
+    batch_id: str = ""  # the usage row's: a batch item's batch
 
     id: str = field(init=False)
     created: int = field(init=False)
@@ -91,7 +92,7 @@ class Generation:
         self.row = billing.UsageRow(
             key=self.billing_key or self.id, request_id=self.id, tenant_id=self.tenant.pk,
             api_key_id=self.caller.api_key.pk if self.caller.api_key is not None else None, attempt=self.attempt,
-            endpoint=self.endpoint,
+            endpoint=self.endpoint, batch=self.batch_id,
         )
 
     @property

@@ -67,7 +67,8 @@ class BatchItemConsumer(OpenAIConsumer):
         item, attempt = (self.header(b"x-batch-item") or "").strip(), (self.header(b"x-batch-attempt") or "").strip()
         if not (item.isdigit() and attempt.isdigit()):
             return {}
-        return {"billing_key": f"batch-item:{int(item)}", "attempt": int(attempt)}
+        batch = (self.header(b"x-batch-id") or "").strip()
+        return {"billing_key": f"batch-item:{int(item)}", "attempt": int(attempt), "batch_id": batch[:40]}
 
     def endpoint(self) -> str:
         return "batch"

@@ -274,7 +274,7 @@ def apply_usage(entry: UsageEntry) -> None:
         "tenant_id": entry.tenant_id, "api_key_id": entry.api_key_id, "request_id": entry.request_id[:64],
         "model": entry.model[:128], "lane": Lane(entry.lane), "attempt": entry.attempt,
         "prompt_tokens": entry.prompt_tokens, "completion_tokens": entry.completion_tokens,
-        "cached_tokens": entry.cached_tokens, "endpoint": entry.endpoint[:64],
+        "cached_tokens": entry.cached_tokens, "endpoint": entry.endpoint[:64], "batch": entry.batch[:40],
         "ttft_ms": entry.ttft_ms, "latency_ms": entry.latency_ms, "finish_reason": entry.finish_reason[:32],
         "created": entry.created_at, "closed": entry.op == "close", "replica": entry.replica[:100],
     }

@@ -80,6 +80,7 @@ class UsageEntry:
     replica: str = ""  # the serving process (inference.fleet.instance()), "" outside the fleet
     endpoint: str = ""  # the API path, "batch" for batch items
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    batch: str = ""  # a batch item's batch id
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

@@ -134,6 +134,7 @@ class UsageRecord(models.Model):
     model = models.CharField(max_length=128, blank=True)
     lane = models.PositiveSmallIntegerField(choices=Lane.choices)
     endpoint = models.CharField(max_length=64, blank=True, help_text="The API path, or \"batch\" for batch items.")
+    batch = models.CharField(max_length=40, blank=True, help_text="The batch of a batch item's row.")
     prompt_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0, help_text="Prompt tokens served from the prefix cache.")
     completion_tokens = models.PositiveIntegerField(default=0)
@@ -147,6 +148,7 @@ class UsageRecord(models.Model):
         indexes = [
             models.Index(fields=["tenant", "created"]),
             models.Index(fields=["api_key", "created"]),
+            models.Index(fields=["batch"], condition=~models.Q(batch=""), name="usage_by_batch"),
             models.Index(fields=["replica"], condition=models.Q(closed=False), name="usage_open_by_replica"),
         ]
 

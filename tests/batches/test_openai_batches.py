@@ -36,9 +36,15 @@ def test_a_200_line_batch_completes_with_one_chat_completion_per_custom_id(stack
 from tenants.models import UsageRecord
 rows = UsageRecord.objects.filter(tenant_id={stack.server.tenant_ids['acme']},
                                   request_id__startswith="batchreq-{batch.id.removeprefix('batch_')}-")
-result = [sorted(set(rows.values_list("lane", flat=True))), rows.count()]
+result = [sorted(set(rows.values_list("lane", flat=True))), rows.count(), sorted(set(rows.values_list("batch", flat=True))),
+          sorted(set(rows.values_list("endpoint", flat=True)))]
 """)
-    assert usage == [[2], 200]
+    assert usage == [[2], 200, [batch.id], ["batch"]]
+    # The batch object says what its lines ran on and what they used: the sum of its lines' usage.
+    assert done.model == client.models.list().data[0].id
+    assert done.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in lines)
+    assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in lines)
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
 
 def test_batch_lines_with_a_response_format_or_tools_each_come_back_valid(stack):
