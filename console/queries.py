@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import redis
-from django.db.models import Count, F, Sum
+from django.db.models import Count, F, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem
 from tenants import quota
-from tenants.models import Lane, Tenant, UsageRecord
+from tenants.models import ApiKey, Lane, Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,15 @@ def usage_by_lane(tenant: Tenant, now: datetime | None = None) -> list[tuple[str
             .values("lane").annotate(total=Sum(F("prompt_tokens") + F("completion_tokens"))))
     totals = {row["lane"]: int(row["total"] or 0) for row in rows}
     return [(f"P{lane.value}", totals.get(lane.value, 0)) for lane in Lane]
+
+
+def keys_with_usage(tenant: Tenant, now: datetime | None = None) -> QuerySet[ApiKey]:
+    """The tenant's keys, each with this month's requests and tokens (`month_requests`,
+    `month_tokens`), in one query: subqueries rather than a join, which would multiply rows."""
+    month = UsageRecord.objects.filter(api_key=OuterRef("pk"), created__gte=month_start(now or timezone.now()))
+    per_key = month.values("api_key").annotate(requests=Count("pk"), tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
+    return tenant.api_keys.annotate(month_requests=Subquery(per_key.values("requests")),
+                                    month_tokens=Subquery(per_key.values("tokens")))
 
 
 def item_counts(batch_ids: list[str]) -> dict[str, dict[str, int]]:

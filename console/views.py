@@ -89,7 +89,7 @@ def _tenant_page(request: HttpRequest, tenant: Tenant, issued: actions.IssuedKey
         "limits": queries.limits_state(tenant),
         "day_bars": queries.bars(by_day),
         "lane_bars": queries.bars(by_lane, width=240),
-        "keys": tenant.api_keys.all(),
+        "keys": queries.keys_with_usage(tenant),
         "tiers": QuotaTier.objects.all(),
         "issued": issued,
         "now": timezone.now(),

@@ -130,3 +130,20 @@ def test_a_new_playground_key_revokes_the_operators_earlier_one(admin_client, te
     admin_client.post(reverse("console:playground"), {"tenant": tenant.pk})
     keys = list(ApiKey.objects.filter(tenant=tenant).order_by("created", "pk"))
     assert len(keys) == 2 and keys[0].revoked is not None and keys[1].revoked is None
+
+
+def test_the_tenant_page_shows_each_keys_usage_this_month_and_its_rights(admin_client, tenant, django_assert_max_num_queries):
+    narrow = actions.issue_key(tenant, name="ci", scopes=["batch", "read"], requests_per_minute=60).api_key
+    wide = actions.issue_key(tenant, name="app").api_key
+    for _ in range(3):
+        actions.record_usage(tenant, lane=1, prompt_tokens=100, completion_tokens=23, api_key=narrow)
+    actions.record_usage(tenant, lane=1, prompt_tokens=5, completion_tokens=5, api_key=wide)
+    for _ in range(20):  # more keys must not mean more queries
+        actions.issue_key(tenant, name="extra")
+    with django_assert_max_num_queries(20):
+        page = admin_client.get(reverse("console:tenant", kwargs={"pk": tenant.pk})).content.decode()
+    row = re.search(rf"<tr>\s*<td><code>sk-{narrow.prefix}_….*?</tr>", page, re.S).group(0)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+    assert cells[2].strip() == "batch, read · 60 rpm" and (cells[3], cells[4]) == ("3", "369")
+    wide_row = re.search(rf"<tr>\s*<td><code>sk-{wide.prefix}_….*?</tr>", page, re.S).group(0)
+    assert re.findall(r"<td[^>]*>(.*?)</td>", wide_row, re.S)[2:5] == ["all", "1", "10"]
