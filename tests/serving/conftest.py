@@ -56,6 +56,10 @@ TENANTS = {
     "ids": "live-p1",
     # test_tokenize.py
     "tokens": "live-p1",
+    # test_metrics.py
+    "metrics": "live-p1",
+    "metrics-tight": "live-tight",
+    "metrics-batch": "live-p2",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
