@@ -1,15 +1,19 @@
 """/metrics on the live server: responses by route, status and tenant, 429s by limit kind, batch
-items and the Celery queue (inference.http_metrics) beside the engine's series.
+items and the Celery queue (inference.http_metrics) beside the engine's series; and the Grafana
+dashboard and the Prometheus example in deploy/, checked against what a live server exports.
 
 Tenants: "metrics" (an ordinary key), "metrics-tight" (3 requests a minute), "metrics-batch" (batch jobs).
 """
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 import requests
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from batches.upload_gate import _too_many_uploads
@@ -19,9 +23,13 @@ from inference.streaming import engine_error
 from inference.websocket import _frames_exceeded
 from tenants import errors
 from tests import wsclient
-from tests.live import LiveServer
+from tests.live import ROOT, LiveServer
 
 TIMEOUT_S = 120  # a hang guard for each request, never a timing assertion
+DASHBOARD = ROOT / "deploy" / "grafana" / "llm-platform.json"
+PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+# The names a PromQL expression or a variable query of the dashboard reads.
+METRIC_NAME = re.compile(r"\b(?:llm|process)_[a-z0-9_]+\b")
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -143,3 +151,65 @@ def test_each_429_the_platform_builds_names_its_limit():
     assert limit_kind("insufficient_quota", "budget_reserved") == "budget"
     assert limit_kind("tokens", "rate_limit_exceeded") == "tokens"
     assert limit_kind("invalid_request_error", None) == "other"
+
+
+# --- deploy/grafana and deploy/prometheus ----------------------------------------------------
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def queries(board: dict) -> list[str]:
+    """Every PromQL expression of the dashboard's panels and variables."""
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
+    return exprs + [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+
+
+def test_the_dashboard_is_a_grafana_dashboard():
+    board = dashboard()
+    assert board["uid"] and board["title"] and isinstance(board["schemaVersion"], int)
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert {"instance", "lane", "tenant"} <= set(variables)
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    graphs = [p for p in board["panels"] if p["type"] != "row"]
+    assert len(graphs) >= 15
+    for panel in board["panels"]:
+        assert set(panel["gridPos"]) == {"h", "w", "x", "y"} and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+    for panel in graphs:
+        assert panel["title"] and panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+            assert target["refId"] and METRIC_NAME.search(target["expr"]), panel["title"]
+    # No two panels overlap on the 24-column grid.
+    cells = set()
+    for panel in board["panels"]:
+        g = panel["gridPos"]
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & area, panel["title"]
+        cells |= area
+    for variable in ("$instance", "$lane", "$tenant"):
+        assert any(variable in expr for expr in queries(board)), variable
+
+
+def test_every_metric_the_dashboard_reads_is_exported(live: LiveServer):
+    assert chat(live, live.keys["metrics"]).status_code == 200  # so the per-lane histograms have series
+    exported = {name for name, _ in scrape(live)}
+    read = {name for expr in queries(dashboard()) for name in METRIC_NAME.findall(expr)}
+    assert {"llm_http_responses_total", "llm_rate_limited_total", "llm_batch_items", "llm_celery_queue_length",
+            "llm_engine_e2e_request_latency_seconds_bucket", "llm_engine_step_duration_seconds_bucket",
+            "llm_engine_kv_usage_ratio", "llm_engine_prompt_tokens_total"} <= read
+    assert read - exported == set()
+
+
+def test_the_prometheus_example_scrapes_every_replica_with_the_metrics_token():
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    [job] = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["authorization"]["type"] == "Bearer" and Path(job["authorization"]["credentials_file"]).is_absolute()
+    assert "credentials" not in job["authorization"]  # the token stays out of the file
+    targets = [t for group in job["static_configs"] for t in group["targets"]]
+    assert len(targets) >= 2 and len(set(targets)) == len(targets)
+    assert all(re.fullmatch(r"[\w.-]+:\d+", t) for t in targets)
