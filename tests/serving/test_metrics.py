@@ -204,6 +204,14 @@ def test_every_metric_the_dashboard_reads_is_exported(live: LiveServer):
     assert read - exported == set()
 
 
+def test_every_series_is_in_the_readme_table(live: LiveServer):
+    response = requests.get(live.url + "/metrics", timeout=TIMEOUT_S)
+    table = (ROOT / "README.md").read_text()
+    names = {f"{f.name}_total" if f.type == "counter" else f.name for f in text_string_to_metric_families(response.text)
+             if not f.name.endswith("_created")}  # prometheus_client's creation time of each counter and histogram
+    assert {name for name in names if f"`{name}`" not in table} == set()
+
+
 def test_the_prometheus_example_scrapes_every_replica_with_the_metrics_token():
     config = yaml.safe_load(PROMETHEUS.read_text())
     [job] = config["scrape_configs"]
