@@ -27,6 +27,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from batches.jsonl import too_many_lines
+from inference import http_metrics
 from tenants.authentication import authenticate_bearer
 from tenants.errors import ApiError, missing_scope
 from tenants.models import Scope
@@ -34,6 +35,7 @@ from tenants.models import Scope
 log = logging.getLogger(__name__)
 
 GATED_PATHS = frozenset({"/v1/files"})
+UPLOAD_ENDPOINT = "v1/files"  # its route, as /metrics labels what Django serves there
 # A key lookup is one indexed read (and at most one UPDATE of last_used); one that takes
 # this long means the database is in trouble: answer 503 rather than hold the socket.
 CHECK_TIMEOUT_S = 10.0
@@ -82,9 +84,11 @@ def _too_many_uploads() -> ApiError:
                     type="requests", code="too_many_uploads", param="file", headers={"Retry-After": "2"})
 
 
-def _refuse(request, error: ApiError, linger: bool = False) -> None:
-    """Answer `error` and close. `linger`: for a known tenant's refusals only, so that keeping
-    connections open a moment is bounded by what its key may do; anonymous ones close at once."""
+def _refuse(request, error: ApiError, tenant_id: int | None) -> None:
+    """Answer `error` and close. A known tenant's refusals linger, so that keeping connections
+    open a moment is bounded by what its key may do; anonymous ones close at once."""
+    http_metrics.count_response(UPLOAD_ENDPOINT, error.status, None if tenant_id is None else str(tenant_id))
+    http_metrics.count_refusal(error)
     request._key_check = REFUSED
     request._body_refused = True
     transport = request.channel.transport if request.channel is not None else None
@@ -92,7 +96,7 @@ def _refuse(request, error: ApiError, linger: bool = False) -> None:
     if transport is None:
         return
     transport.write(_response(error))
-    if not linger:
+    if tenant_id is None:
         transport.loseConnection()
         return
     transport.pauseProducing()
@@ -137,7 +141,7 @@ async def _check(request, header: str | None) -> None:
         request._upload_tenant = tenant_id
         request.notifyFinish().addBoth(lambda _result: _received(request))
     if error is not None:
-        _refuse(request, error, linger=tenant_id is not None)
+        _refuse(request, error, tenant_id)
         return
     request._key_check = PASSED
     if request._expect_continue:
@@ -182,7 +186,7 @@ def install() -> None:
                     # so `_check` gives it.
                     self._lines_over = True
                     return
-                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES), linger=True)
+                _refuse(self, too_many_lines(settings.BATCH_MAX_LINES), self._upload_tenant)
                 return
         handle_chunk(self, data)
 

@@ -18,8 +18,8 @@ from config.request_ids import RequestIdMiddleware  # noqa: E402
 from console.routing import console_routes  # noqa: E402
 from inference import drain, fleet  # noqa: E402
 from inference.host import EngineLifespan, host  # noqa: E402
+from inference.http_metrics import ResponseMetrics, labelled_routes  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
-from tenants.middleware import ApiKeyAuthMiddleware  # noqa: E402
 
 MULTIPART_OVERHEAD = 64 * 1024  # form boundaries and the purpose field around an uploaded file
 # Body limit while the body arrives, and RFC 6455 close codes for consumers (see daphne_hooks).
@@ -38,17 +38,16 @@ daphne_hooks.call_when_serving(host.start, fleet.join, drain.install)
 # browser page cannot attach to another site's socket, and most API clients send no Origin.
 # EngineLifespan starts loading the model when the server starts serving (never at import),
 # this replica's reports to the fleet, and the drain on SIGTERM.
-# Outermost: every response, refusals and 404s included, carries X-Request-Id (config.request_ids).
-application = RequestIdMiddleware(EngineLifespan(ProtocolTypeRouter(
+# Outermost: every response, refusals and 404s included, is counted (inference.http_metrics)
+# and carries X-Request-Id (config.request_ids).
+application = ResponseMetrics(RequestIdMiddleware(EngineLifespan(ProtocolTypeRouter(
     {
         # Streaming (SSE) routes first, each wrapped in the key middleware by
         # inference.routing; everything else is plain Django (DRF authenticates itself).
-        "http": URLRouter([*http_routes, re_path(r"", django_asgi_app)]),
+        "http": URLRouter([*labelled_routes(http_routes), re_path(r"", django_asgi_app)]),
         # The operators' console socket authenticates by session cookie, which a browser does
         # attach to another site's socket: it alone checks the Origin (scheme, host and port).
-        "websocket": URLRouter([
-            *console_routes,
-            re_path(r"", ApiKeyAuthMiddleware(URLRouter(websocket_routes))),
-        ]),
+        # The API's socket takes a key, as the streaming routes do (inference.routing).
+        "websocket": URLRouter([*labelled_routes(console_routes), *labelled_routes(websocket_routes)]),
     }
-), on_serve=(fleet.join, drain.install)))
+), on_serve=(fleet.join, drain.install))))

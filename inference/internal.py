@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from inference import http_metrics
 from inference.consumers import OpenAIConsumer
 from inference.service_tokens import is_batch_worker_token
 from tenants import admission
@@ -50,6 +51,7 @@ class ServiceTokenMiddleware:
             error = ApiError(404, "No active tenant with the id in X-Tenant-Id.", code="tenant_not_found",
                              param="X-Tenant-Id")
             return await refuse(scope, receive, send, error)
+        http_metrics.note_tenant(scope, tenant.engine_id)
         return await self.app({**scope, "tenant": tenant, "api_key": None, "rate_limit": None}, receive, send)
 
 

@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 
-from inference import fleet, heap
+from inference import fleet, heap, http_metrics
 from inference.host import EngineUnavailable, host
 from inference.service_tokens import is_metrics_token, is_operator_token
 from tenants import errors, quota
@@ -108,5 +108,5 @@ def metrics(request: HttpRequest) -> HttpResponse:
              b"# TYPE llm_limits_local gauge\n" + f"llm_limits_local {int(breaker.open)}\n".encode()
              + b"# HELP llm_limits_fallbacks_total Times this process began deciding limits alone\n"
              b"# TYPE llm_limits_fallbacks_total counter\n" + f"llm_limits_fallbacks_total {breaker.trips}\n".encode()
-             + heap.render())
+             + heap.render() + http_metrics.render())
     return HttpResponse(body, content_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,8 +1,8 @@
 """Channels routes: the endpoints that talk to the engine.
 
-Each HTTP consumer is wrapped in `tenants.middleware.ApiKeyAuthMiddleware` (key and
-requests/min); the WebSocket router as a whole is wrapped in `config.asgi`. Everything
-else over HTTP is plain Django (DRF authenticates itself).
+Each consumer is wrapped in `tenants.middleware.ApiKeyAuthMiddleware` (key and
+requests/min) or, for the batch workers, `ServiceTokenMiddleware`. Everything else over
+HTTP is plain Django (DRF authenticates itself).
 """
 from django.urls import path
 
@@ -29,5 +29,5 @@ http_routes = [
     path("internal/v1/completions", ServiceTokenMiddleware(BatchCompletionConsumer.as_asgi())),
 ]
 websocket_routes = [
-    path("ws/v1/chat", ChatSocketConsumer.as_asgi()),
+    path("ws/v1/chat", ApiKeyAuthMiddleware(ChatSocketConsumer.as_asgi())),
 ]

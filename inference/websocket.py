@@ -39,7 +39,7 @@ import time
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from inference import protocol
+from inference import http_metrics, protocol
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
 from inference.streaming import engine_failure
@@ -289,6 +289,7 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
             pass
 
     async def _error(self, gen_id: str | None, error: ApiError) -> None:
+        http_metrics.count_refusal(error)
         payload = {"type": "error", "id": gen_id, **error.body()}
         retry = error.headers.get("Retry-After")
         if retry:
@@ -300,6 +301,7 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
 
     async def _close_with(self, error: ApiError, code: int | None = None) -> None:
         """Send the error, then close: with `code`, else 4000 + its HTTP status (4401, 4429)."""
+        http_metrics.count_refusal(error)
         try:
             await self._send({"type": "error", "id": None, **error.body()})
         finally:

@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
+from inference import http_metrics
 from tenants import admission, errors, keys, quota
 from tenants.authentication import authenticate_bearer, bearer_token, note_key_use
 from tenants.limits import Decision
@@ -47,6 +48,7 @@ class _Known:
     digest: str
     caller: str  # its tenant's admission caller
     concurrent_streams: int  # the tier's limit, for the in-flight bound
+    tenant_id: str  # the tenant's engine id, which /metrics labels its refusals with
 
 
 _known_keys: OrderedDict[str, _Known] = OrderedDict()
@@ -62,7 +64,8 @@ _in_flight: dict[str, int] = {}
 
 
 def _remember(api_key: ApiKey) -> None:
-    known = _Known(api_key.digest, admission.tenant_caller(api_key.tenant_id), api_key.tenant.tier.concurrent_streams)
+    known = _Known(api_key.digest, admission.tenant_caller(api_key.tenant_id), api_key.tenant.tier.concurrent_streams,
+                   api_key.tenant.engine_id)
     with _known_lock:
         _known_keys[api_key.prefix] = known
         _known_keys.move_to_end(api_key.prefix)
@@ -96,12 +99,17 @@ async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     return await admission.run(_authenticate_and_admit, header, caller=caller, what="key admission")
 
 
-def _in_flight_caller(header: str | None) -> tuple[str | None, errors.ApiError | None]:
+def _verified(header: str | None) -> _Known | None:
+    """The known key the header carries, if its secret is right."""
+    parsed, known = _known(header)
+    return known if known is not None and keys.matches(parsed.plaintext, known.digest) else None
+
+
+def _in_flight_caller(known: _Known | None) -> tuple[str | None, errors.ApiError | None]:
     """For a known key: its tenant's caller, counted in flight from here on, or the 429 when the
     tenant has as many generation requests in flight here as could run or wait for a slot.
     (None, None) for a key not known yet (counted once it authenticates) or a wrong secret."""
-    parsed, known = _known(header)
-    if known is None or not keys.matches(parsed.plaintext, known.digest):
+    if known is None:
         return None, None
     # A zero limit is the gate's to answer (its message names the field).
     if known.concurrent_streams and _in_flight.get(known.caller, 0) >= known.concurrent_streams + settings.SLOT_WAITERS_PER_TENANT:
@@ -130,14 +138,16 @@ class ApiKeyAuthMiddleware:
         header = scope_header(scope, b"authorization")
         if scope["type"] == "websocket":
             return await self._socket(scope, receive, send, header)
-        caller, refusal = _in_flight_caller(header)
+        known = _verified(header)
+        caller, refusal = _in_flight_caller(known)
         if refusal is not None:
+            http_metrics.note_tenant(scope, known.tenant_id)
             return await refuse(scope, receive, send, refusal)
         if caller is not None:
             _enter(caller)  # before the first await: a burst arrives all at once
         try:
             try:
-                api_key, decision = await authenticate_and_admit(header)
+                api_key, decision = await _authenticate(scope, header)
             except errors.ApiError as error:
                 return await refuse(scope, receive, send, error)
             if caller is None:
@@ -156,11 +166,25 @@ class ApiKeyAuthMiddleware:
             # the first message instead (scope["tenant"] is None until it does).
             return await self.app({**scope, "tenant": None, "api_key": None, "rate_limit": None}, receive, send)
         try:
-            api_key, decision = await authenticate_and_admit(header)
+            api_key, decision = await _authenticate(scope, header)
         except errors.ApiError as error:
             return await refuse(scope, receive, send, error)
         return await self.app({**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision},
                               receive, send)
+
+
+async def _authenticate(scope: AsgiScope, header: str | None) -> tuple[ApiKey, Decision]:
+    """`authenticate_and_admit`, the key's tenant noted for /metrics even when a limit refuses:
+    a limit refuses only a key that authenticated, which `_remember` has made known."""
+    try:
+        api_key, decision = await authenticate_and_admit(header)
+    except errors.ApiError:
+        known = _verified(header)
+        if known is not None:
+            http_metrics.note_tenant(scope, known.tenant_id)
+        raise
+    http_metrics.note_tenant(scope, api_key.tenant.engine_id)
+    return api_key, decision
 
 
 async def refuse(scope: AsgiScope, receive: Any, send: Any, error: errors.ApiError) -> None:
@@ -174,6 +198,7 @@ async def refuse(scope: AsgiScope, receive: Any, send: Any, error: errors.ApiErr
     message = await receive()
     if message["type"] != "websocket.connect":
         return
+    http_metrics.count_refusal(error)  # a frame, not an HTTP status: ResponseMetrics cannot see it
     await send({"type": "websocket.accept"})
     await send({"type": "websocket.send", "text": body.decode()})
     await send({"type": "websocket.close", "code": 4000 + error.status})

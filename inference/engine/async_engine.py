@@ -97,6 +97,9 @@ class _Add:
     cache_salt: str | None
     future: asyncio.Future
     matcher: object = None  # the grammar's matcher, built before the command reaches the engine thread
+    # On the engine's clock, read at submit: the request waits from then, not from when the
+    # engine thread, busy with a step, gets to the command.
+    arrival_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -326,7 +329,7 @@ class AsyncEngine:
             matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.grammar)
         state = _RequestState(request_id, loop, lane, tenant_id, submitted_at=now, pulled_at=now)
         future = loop.create_future()
-        self._post(_Add(state, prompt, params, cache_salt, future, matcher))
+        self._post(_Add(state, prompt, params, cache_salt, future, matcher, arrival_time=self.engine.clock()))
         try:
             await future
         except asyncio.CancelledError:
@@ -402,8 +405,11 @@ class AsyncEngine:
             idle_step = False
             if self.engine.has_unfinished():
                 computed = self.engine.counters.computed_tokens
+                started = self._clock()
                 self._step()
                 idle_step = self.engine.counters.computed_tokens == computed
+                if self.metrics and not idle_step:  # an idle step's microseconds would hide the real ones
+                    self.metrics.observe_step(self._clock() - started)
             self._publish()
             self._flush()
 
@@ -421,12 +427,14 @@ class AsyncEngine:
         try:
             state.seq = self.engine.add_request(
                 state.request_id, command.prompt, command.params, cache_salt=command.cache_salt, lane=state.lane,
-                tenant_id=state.tenant_id, matcher=command.matcher,
+                tenant_id=state.tenant_id, matcher=command.matcher, arrival_time=command.arrival_time,
             )
         except Exception as exc:  # InvalidRequestError and friends belong to the submitter
             _resolve(command.future, exc)
             return
         self._states[state.request_id] = state
+        if self.metrics:
+            self.metrics.observe_prompt(state.tenant_id, state.seq.num_prompt_tokens)
         self._outbox.append(command.future)  # resolved once the snapshot counts the request
 
     def _sweep(self) -> None:
@@ -532,7 +540,10 @@ class AsyncEngine:
         if out.finished:
             self._states.pop(state.request_id, None)
             if self.metrics:
-                self.metrics.observe_finished(state.lane, out.finish_reason, state.num_tokens, state.first_token_at, state.last_token_at)
+                seq = state.seq
+                queued = seq.first_scheduled_at - seq.arrival_time if seq and seq.first_scheduled_at is not None else None
+                self.metrics.observe_finished(state.lane, out.finish_reason, state.num_tokens, state.first_token_at,
+                                              state.last_token_at, latency_s=now - state.submitted_at, queue_s=queued)
         self._outbox.append((state, out))
 
     def _flush(self) -> None:

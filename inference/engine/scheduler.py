@@ -277,6 +277,8 @@ class Scheduler:
                     admitted = self._admit(seq, step)
                     if admitted is None:
                         break
+                    if seq.first_scheduled_at is None:
+                        seq.first_scheduled_at = now
                     hit_tokens += admitted
                     entered += bm.commit_blocks(seq, step.scheduled[-1].start + step.scheduled[-1].num_new_tokens)
 

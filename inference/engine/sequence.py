@@ -44,6 +44,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of this sequence's full, computed blocks
     swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_preemptions: int = 0
+    first_scheduled_at: float | None = None  # on the scheduler's clock: where its queue time ends
     # Its consumer has not taken what it generated (a client that stopped reading): it keeps
     # its blocks but is not scheduled, so a stalled stream costs other requests no compute.
     paused: bool = False

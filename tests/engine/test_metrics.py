@@ -106,6 +106,58 @@ def test_time_per_output_token_is_the_mean_gap_after_the_first():
         assert value(m, "llm_engine_requests_finished_total", reason=reason) == 1
 
 
+def test_kv_usage_is_the_share_of_blocks_live_sequences_hold():
+    m = EngineMetrics()
+    m.observe_stats(EngineStats())  # no cache yet: 0, not a division by zero
+    assert value(m, "llm_engine_kv_usage_ratio") == 0
+    # Cached prefixes nobody holds are free to allocate: they count as free, not used.
+    m.observe_stats(EngineStats(blocks_total=64, blocks_free=48, blocks_used=16, blocks_cached=30))
+    assert value(m, "llm_engine_kv_usage_ratio") == 0.25
+
+
+def test_latency_and_queue_time_of_ended_requests_by_lane():
+    m = EngineMetrics()
+    m.observe_finished(0, "stop", 3, 1.0, 2.0, latency_s=2.5, queue_s=0.5)
+    m.observe_finished(2, "length", 3, 1.0, 2.0, latency_s=90.0, queue_s=None)  # never scheduled: no queue time
+    m.observe_finished(0, "abort", 0, None, None, latency_s=7.0, queue_s=0.25)  # the client's choice: no latency
+    assert value(m, "llm_engine_e2e_request_latency_seconds_count", lane="P0") == 1
+    assert value(m, "llm_engine_e2e_request_latency_seconds_sum", lane="P0") == 2.5
+    assert value(m, "llm_engine_e2e_request_latency_seconds_bucket", lane="P2", le="60.0") == 0
+    assert value(m, "llm_engine_e2e_request_latency_seconds_bucket", lane="P2", le="120.0") == 1
+    assert value(m, "llm_engine_request_queue_time_seconds_sum", lane="P0") == 0.75
+    assert value(m, "llm_engine_request_queue_time_seconds_count", lane="P2") is None
+
+
+def test_step_duration_and_prompt_tokens():
+    m = EngineMetrics()
+    m.observe_step(0.004)
+    m.observe_step(0.3)
+    m.observe_prompt("acme", 17)
+    m.observe_prompt(None, 5)
+    assert value(m, "llm_engine_step_duration_seconds_bucket", le="0.005") == 1
+    assert value(m, "llm_engine_step_duration_seconds_bucket", le="0.5") == 2
+    assert value(m, "llm_engine_step_duration_seconds_count") == 2
+    assert value(m, "llm_engine_prompt_tokens_total", tenant="acme") == 17
+    assert value(m, "llm_engine_prompt_tokens_total", tenant="none") == 5
+
+
+def test_a_sequence_is_first_scheduled_once_a_seat_frees():
+    clock = tiny.ManualClock()
+    engine = tiny_engine(clock=clock, max_num_seqs=1)
+    first = engine.add_request("first", [1, 2, 3], tiny.greedy_params(3))
+    second = engine.add_request("second", [4, 5, 6], tiny.greedy_params(3))
+    scheduled_at = {}
+    while engine.has_unfinished():
+        clock.advance(0.25)
+        engine.step()
+        for seq in (first, second):
+            if seq.first_scheduled_at is not None:
+                scheduled_at.setdefault(seq.request_id, seq.first_scheduled_at)
+    # One seat: the second waits for the first's three steps, then is admitted in the next.
+    assert scheduled_at == {"first": 0.25, "second": 1.0}
+    assert first.arrival_time == second.arrival_time == 0.0
+
+
 def test_latency_buckets_span_ten_milliseconds_to_a_minute():
     m = EngineMetrics()
     m.observe_first_token(0, 0.3)
@@ -148,6 +200,15 @@ def test_an_async_engine_feeds_latencies_tokens_and_gauges():
     assert value(metrics, "llm_engine_generation_tokens_total", tenant="acme") == 2 * GREEDY.max_tokens
     assert value(metrics, "llm_engine_generation_tokens_total", tenant="globex") == GREEDY.max_tokens
     assert value(metrics, "llm_engine_requests_finished_total", reason="length") == 3
+    assert value(metrics, "llm_engine_prompt_tokens_total", tenant="acme") == 8
+    assert value(metrics, "llm_engine_prompt_tokens_total", tenant="globex") == 4
+    for lane, n in (("P0", 2), ("P2", 1)):
+        assert value(metrics, "llm_engine_e2e_request_latency_seconds_count", lane=lane) == n
+        assert value(metrics, "llm_engine_request_queue_time_seconds_count", lane=lane) == n
+    # The clock ticks on every read, so each request's latency covers its reads of it.
+    assert value(metrics, "llm_engine_e2e_request_latency_seconds_sum", lane="P0") > 2 * GREEDY.max_tokens * 0.001
+    assert 0 < value(metrics, "llm_engine_step_duration_seconds_count") <= stats.steps
+    assert value(metrics, "llm_engine_kv_usage_ratio") == 0
     assert value(metrics, "llm_engine_kv_blocks_total") == stats.blocks_total
     assert value(metrics, "llm_engine_kv_blocks_free") == stats.blocks_free == stats.blocks_total
     assert value(metrics, "llm_engine_kv_blocks_cached") == stats.blocks_cached > 0
@@ -172,6 +233,7 @@ def test_gauges_show_a_request_in_flight():
         while value(metrics, "llm_engine_requests_running", lane="P2") != 1:
             await asyncio.sleep(0.002)
         assert value(metrics, "llm_engine_kv_blocks_free") < value(metrics, "llm_engine_kv_blocks_total")
+        assert value(metrics, "llm_engine_kv_usage_ratio") > 0
         await stream.aclose()
         while value(metrics, "llm_engine_requests_running", lane="P2") != 0:
             await asyncio.sleep(0.002)
@@ -181,3 +243,5 @@ def test_gauges_show_a_request_in_flight():
     finally:
         ae.shutdown()
     assert value(metrics, "llm_engine_requests_finished_total", reason="abort") == 1
+    assert value(metrics, "llm_engine_request_queue_time_seconds_count", lane="P2") == 1  # it was scheduled
+    assert value(metrics, "llm_engine_e2e_request_latency_seconds_count", lane="P2") is None

@@ -59,6 +59,10 @@ TENANTS = {
     "tokens": "live-p1",
     # test_keys_and_usage.py
     "keys": "live-batch",
+    # test_metrics.py
+    "metrics": "live-p1",
+    "metrics-tight": "live-tight",
+    "metrics-batch": "live-p2",
 }
 
 # Short heartbeats so a test sees them; short enough auth timeout for the WebSocket test.
