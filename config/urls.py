@@ -14,7 +14,8 @@ from config import static_files
 from inference import health, operator_views, views
 from tenants import urls as tenant_urls, views as tenant_views
 
-SCHEMA_HOOKS = ["drf_spectacular.hooks.postprocess_schema_enums", "inference.openapi.close_request_bodies"]
+SCHEMA_HOOKS = ["drf_spectacular.hooks.postprocess_schema_enums", "inference.openapi.close_request_bodies",
+                "inference.openapi.document_errors"]
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),

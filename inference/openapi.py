@@ -448,6 +448,40 @@ def close_request_bodies(result: dict, generator, request, public) -> dict:
     return result
 
 
+# What any operation may answer besides its own: every error comes in the OpenAI shape.
+_COMMON_ERRORS = {
+    "400": "Invalid request: a query parameter or the body (`param` names it)",
+    "401": "Missing or invalid key (or staff credentials for /api/v1/admin/ and the operator endpoints)",
+    "403": "The key lacks the scope this needs (`missing_scope_<scope>`), a limit set to 0, or staff permission",
+    "404": "No such object (model, file, batch, tenant, key or tier) for this caller",
+    "406": "An Accept header this endpoint cannot answer",
+    "429": "A rate limit (requests/min first); see Retry-After",
+    "503": "The database, the limits store or the engine is unavailable; see Retry-After",
+}
+_BODY_ERRORS = {
+    "413": "Body over MAX_REQUEST_BYTES (uploads: FILES_MAX_BYTES)",
+    "415": "A Content-Type this endpoint does not parse",
+}
+_OPEN = {"401", "403", "429"}  # not from an endpoint that asks no credentials
+
+
+def document_errors(result: dict, generator, request, public) -> dict:
+    """drf-spectacular postprocessing hook: every operation lists the error statuses it can
+    answer (schemathesis checks that it answers no other), in the OpenAI error shape."""
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, operations in result.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            common = dict(_COMMON_ERRORS)
+            if method in ("post", "patch", "put"):
+                common.update(_BODY_ERRORS)
+            if operation.get("security") == [{}] or operation.get("security") == []:
+                common = {status: text for status, text in common.items() if status not in _OPEN}
+            for status, description in common.items():
+                responses.setdefault(status, {"description": description, **error})
+    return result
+
+
 urlpatterns = [
     path("v1/models", ModelList.as_view()),
     path("v1/models/<path:model>", ModelDetail.as_view()),
