@@ -17,7 +17,13 @@ count, with output lengths forced (ignore EOS), and is reported as ratios:
   drift     ours offline and batch-1 again after the baselines: a shared VM's speed can move
             within the run, and then the ratios would measure the VM (both are printed).
 
+With --weights instead: the same batch-1 and offline workloads with the weights unquantized,
+int8 and int4 (INFERENCE_QUANTIZATION), and llama.cpp's batch-1 decode on the packaged GGUF
+(its Q4_1 weights), then the unquantized batch-1 again for drift; the last lines are
+`batch-1 best of ours vs llama.cpp: <ratio>x` and `offline int8 vs bf16: <ratio>x`.
+
     .venv/bin/python bench/engine_throughput.py [--dtype bfloat16] [--skip-continuous] [--json FILE]
+    .venv/bin/python bench/engine_throughput.py --weights   # llama.cpp: requirements-bench.txt
 """
 
 from __future__ import annotations
@@ -256,6 +262,52 @@ def _llama_cpp_run(prompt: list[int], new_tokens: int, threads: int):
     return median_run(run)
 
 
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> None:
+    """Batch-1 decode and offline throughput per quantization, and llama.cpp's batch-1, in one run."""
+    for quantization in QUANTIZATIONS:
+        engine = LLMEngine.from_config(EngineConfig(
+            dtype=str(dtype).removeprefix("torch."), device=args.device, kv_cache_bytes=1 << 30, max_num_seqs=64,
+            max_num_batched_tokens=2048, quantization=quantization))
+        loaded, config, weights_mb = engine.loaded, engine.config, engine.model.weight_bytes() / 1e6
+        vocab = engine.vocab_size
+        del engine
+
+        def fresh(caching: bool) -> LLMEngine:
+            return LLMEngine(replace(config, enable_prefix_caching=caching), loaded)
+
+        reqs = make_requests(args.requests, seed=0, vocab=vocab)
+        b1_prompt = make_requests(1, seed=1, vocab=vocab)[0][0][:32]
+        offline, b1, ttft = ours_offline_and_batch1(fresh, reqs, b1_prompt)
+        results[quantization] = {"weights_mb": weights_mb, "offline": offline, "b1": b1, "ttft": ttft}
+        print(f"{quantization}: weights {weights_mb:.0f} MB, batch-1 {b1:.1f} tok/s (ttft {ttft * 1000:.0f} ms), "
+              f"offline {offline:.1f} tok/s", flush=True)
+        if quantization == "none":
+            first_fresh = fresh
+    cpp = llama_cpp_batch1(b1_prompt, 128, threads)
+    results["none"]["b1_again"] = ours_batch1(first_fresh(False), b1_prompt, 128)[0]
+    names = {"none": f"ours, {str(dtype).removeprefix('torch.')}", "int8": "ours, int8", "int4": "ours, int4"}
+    print(f"\n| weights | batch-1 decode (tok/s) | vs {names['none']} | vs llama.cpp | offline, 64 requests (tok/s) | weights held (MB) |")
+    print("|---|---|---|---|---|---|")
+    base = results["none"]
+    for quantization in QUANTIZATIONS:
+        row = results[quantization]
+        vs_cpp = f"{row['b1'] / cpp[0]:.2f}x" if cpp else "n/a"
+        print(f"| {names[quantization]} | {row['b1']:.1f} | {row['b1'] / base['b1']:.2f}x | {vs_cpp} | {row['offline']:.1f} "
+              f"| {row['weights_mb']:.0f} |")
+    if cpp:
+        results["llama_cpp_b1_tps"] = cpp[0]
+        print(f"| llama.cpp (Q4_1 GGUF) | {cpp[0]:.1f} | {cpp[0] / base['b1']:.2f}x | 1.00x | | |")
+    print(f"\n{names['none']} batch-1 again after the others: {base['b1_again']:.1f} tok/s "
+          f"({base['b1_again'] / base['b1'] - 1:+.0%}: how much the machine moved during the run)")
+    best = max(results[q]["b1"] for q in QUANTIZATIONS)
+    print(f"batch-1 best of ours vs llama.cpp: {best / cpp[0]:.2f}x" if cpp else
+          "batch-1 best of ours vs llama.cpp: n/a (llama-cpp-python not installed: requirements-bench.txt)")
+    print(f"offline int8 vs bf16: {results['int8']['offline'] / base['offline']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
@@ -264,6 +316,7 @@ def main() -> None:
     ap.add_argument("--static-batch", type=int, default=16)
     ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' continuous batching (slowest)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--weights", action="store_true", help="unquantized vs int8 vs int4 vs llama.cpp instead")
     args = ap.parse_args()
 
     threads = torch.get_num_threads()
@@ -271,6 +324,12 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     print(f"# device={device} dtype={dtype} threads={threads} torch={torch.__version__}", flush=True)
+    if args.weights:
+        results: dict = {}
+        weights_section(args, dtype, threads, results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
 
     engine = LLMEngine.from_config(
         EngineConfig(dtype=str(dtype).removeprefix("torch."), device=args.device, kv_cache_bytes=1 << 30, max_num_seqs=64, max_num_batched_tokens=2048)

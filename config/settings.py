@@ -246,6 +246,8 @@ INFERENCE = {
     # Which kernels the model runs: auto (Triton on CUDA, the compiled CPU kernels where they
     # build, else the PyTorch references), or reference, triton or cpu to force one.
     "KERNELS": env.str("KERNELS", default="auto").strip().lower() or "auto",
+    # Weight-only quantization at load: none, int8 or int4 (groups of 32; see kernels/quant.py).
+    "QUANTIZATION": env.str("INFERENCE_QUANTIZATION", default="none").strip().lower() or "none",
     # Where converted weights and tokenizers are kept ("": ~/.cache/llm-platform).
     "CACHE_DIR": env.str("LLM_PLATFORM_CACHE", default=""),
 }

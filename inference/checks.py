@@ -11,6 +11,7 @@ POLICIES = ("priority", "fcfs", "shortest_first")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "reference", "triton", "cpu")  # kernels.CHOICES, named here so checks import no torch
+QUANTIZATIONS = ("none", "int8", "int4")  # inference.engine.config.QUANTIZATIONS, likewise
 MIN_INTERNAL_TOKEN_LENGTH = 32
 
 
@@ -33,6 +34,8 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
         problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
     if conf["KERNELS"] not in KERNELS:
         problems.append(Error(f"KERNELS must be one of {', '.join(KERNELS)}.", id="inference.E006"))
+    if conf["QUANTIZATION"] not in QUANTIZATIONS:
+        problems.append(Error(f"INFERENCE_QUANTIZATION must be one of {', '.join(QUANTIZATIONS)}.", id="inference.E010"))
     return problems
 
 

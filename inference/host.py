@@ -58,6 +58,7 @@ def engine_config() -> EngineConfig:
         crowd_sit_out_every=conf["CROWD_SIT_OUT_EVERY"],
         crowd_prefill_tokens=conf["CROWD_PREFILL_TOKENS"],
         kernels=conf["KERNELS"],
+        quantization=conf["QUANTIZATION"],
         cache_dir=conf["CACHE_DIR"] or None,
     )
 

@@ -118,7 +118,8 @@ class LLMEngine:
         tokenizer, a KV cache sized by the config and a ModelRunner over it. Raises ConfigError
         for a device or dtype this machine cannot use, or a model architecture it cannot run."""
         device = resolve_device(config.device)
-        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.kernels)
+        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.kernels,
+                                   config.quantization)
         return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name))
 
     # -- requests -------------------------------------------------------------------------

@@ -223,8 +223,11 @@ def load_model(
     device: torch.device,
     cache_dir: str | os.PathLike | None = None,
     kernels_choice: str = "auto",
+    quantization: str = "none",
 ) -> tuple[LlamaModel, ModelSource]:
-    """The configured model's weights on `device`, running the kernels `kernels_choice` picks."""
+    """The configured model's weights on `device`, running the kernels `kernels_choice` picks,
+    quantized at load when `quantization` is int8 or int4 (kernels.quant: from a GGUF, its
+    weights as dequantized, which int4 puts back on Q4_1's grid)."""
     source = resolve_source(model)
     config, tensors = read_gguf(source.path, cache_dir) if source.kind == "gguf" else read_hf_folder(source.path)
-    return LlamaModel(config, tensors, dtype, device, kernels_choice), source
+    return LlamaModel(config, tensors, dtype, device, kernels_choice, quantization), source

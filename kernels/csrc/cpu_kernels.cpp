@@ -11,6 +11,7 @@
 //   PyTorch ops of the reference, which at batch 1 cost more than their arithmetic.
 // linear_small, linear_amx: linear layers at the few rows of a decode step, where
 //   they stream the weights (see each).
+// quant_linear, quant_dequantize: int8 and int4 weights (kernels/quant.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -1234,6 +1235,20 @@ bool bf16_native() {
 #endif
 }
 
+// A linear layer's bias, checked against x and n (undefined when there is none), and its
+// output: x's shape with the last dimension n.
+static torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, const torch::Tensor& x, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "bias must be [out_features] in x's dtype");
+  return bias->contiguous();
+}
+
+static torch::Tensor linear_out(const torch::Tensor& x, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return torch::empty(sizes, x.options());
+}
+
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || (x.scalar_type() == torch::kBFloat16 && linear_small_bf16(w.size(-1))),
@@ -1242,14 +1257,8 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch
   TORCH_CHECK(x.size(-1) == w.size(1), "x's last dimension must be w's in_features");
   x = x.contiguous();
   const int64_t k = w.size(1), n = w.size(0), m = x.numel() / k;
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "bias must be [out_features] in x's dtype");
-    bias_c = bias->contiguous();
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  auto out = torch::empty(sizes, x.options());
+  torch::Tensor bias_c = checked_bias(bias, x, n);
+  auto out = linear_out(x, n);
 #if defined(__AVX512F__)
   if (x.scalar_type() == torch::kBFloat16) {
     linear_small_bf16_kernel(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
@@ -1532,6 +1541,323 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // through a step's kernels kept the web process's event loop waiting for whole steps (py-spy
 // --gil: the engine thread held the GIL in linear_small for 222 of 810 samples while streams and
 // admissions waited behind it).
+// quant_linear: out = x @ W.T (+ bias) with W in groups of 32 weights along a row, each group
+// w = d * q + m (q in 0..255 for int8, 0..15 for int4), the layout of kernels/quant.py.
+// int8 (d and m fp32): each weight widened to fp32 in registers and dotted with x in fp32, so
+//   the layer computes what x @ dequantized(W).T does. Quantizing x to int8 as well (an integer
+//   dot per group) moved the packaged model's greedy output off the unquantized one's at the
+//   first token on 4 of 5 chat prompts.
+// int4 (d and m fp16, Q4_1's form): x is quantized per row and group of 32 to int8 (xd * xq), as
+//   llama.cpp's Q4_1 x Q8_1 does, and a group's dot is one integer dot of 32 unsigned-by-signed
+//   byte pairs (AVX512-VNNI's vpdpbusd, AVX-VNNI's, or AVX2's widening madd), scaled by d * xd,
+//   plus m * xd * sum(xq).
+// At the rows of a decode step the weights stream at 10 (int8) or 5 (int4) bits each where
+// bf16's stream at 16.
+// int4 bytes: in each group's 16 bytes, byte j holds q[j] in its low nibble and q[j + 16] in its high one.
+
+// Per row of x and group of 32: xq (int8), xd (the scale) and xs = xd * sum(xq).
+template <typename T>
+static void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* xd, float* xs) {
+  const int64_t groups = k / 32;
+  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const T* src = x + g * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(src[j])));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int q = static_cast<int>(std::nearbyint(to_f(src[j]) * inv));
+        xq[g * 32 + j] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      xd[g] = d;
+      xs[g] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+// x in fp32, and each row's sum per group of 32 (for the groups' minimums).
+template <typename T>
+static void widen_rows(const T* x, int64_t m, int64_t k, float* xf, float* xsum) {
+  const int64_t groups = k / 32;
+  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      float sum = 0.f;
+      for (int j = 0; j < 32; ++j) sum += (xf[g * 32 + j] = to_f(x[g * 32 + j]));
+      xsum[g] = sum;
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 int32 lanes, each the sum of 4 products u[i] * s[i] (u unsigned bytes, here <= 15; s signed).
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // u <= 15, |s| <= 127: maddubs' int16 pair sums cannot saturate.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// A group's 32 int4 values as 32 bytes 0..15, in order.
+static inline __m256i unpack_int4(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+
+// Eight bytes from p, as fp32.
+static inline __m256 widen8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// int4: XS rows of quantized x (1..4) against 4 weight rows: sums[j][r].
+template <int XS>
+static inline void int4_dot_rows(const int8_t* xq, const float* xd, const float* xs, int64_t k, const uint8_t* const* wr,
+                                 const at::Half* const* dr, const at::Half* const* mr, float sums[4][4]) {
+  const int64_t groups = k / 32;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[XS][4];
+  float low[XS][4];
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) acc[j][r] = _mm256_setzero_ps(), low[j][r] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w[4];
+    float d[4], mn[4];
+    for (int r = 0; r < 4; ++r) {
+      w[r] = unpack_int4(wr[r] + g * 16);
+      d[r] = static_cast<float>(dr[r][g]);
+      mn[r] = static_cast<float>(mr[r][g]);
+    }
+    for (int j = 0; j < XS; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + g * 32));
+      const float dx = xd[j * groups + g], sx = xs[j * groups + g];
+      for (int r = 0; r < 4; ++r) {
+        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w[r], xv)), _mm256_set1_ps(d[r] * dx), acc[j][r]);
+        low[j][r] += mn[r] * sx;
+      }
+    }
+  }
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) sums[j][r] = hsum(acc[j][r]) + low[j][r];
+#else
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* xg = xq + j * k + g * 32;
+        const uint8_t* p = wr[r] + g * 16;
+        int dot = 0;
+        for (int c = 0; c < 32; ++c) dot += (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4) * xg[c];
+        total += static_cast<float>(dr[r][g]) * xd[j * groups + g] * static_cast<float>(dot);
+        total += static_cast<float>(mr[r][g]) * xs[j * groups + g];
+      }
+      sums[j][r] = total;
+    }
+#endif
+}
+
+// int8: XS rows of fp32 x (1..4) against 4 weight rows: sums[j][r].
+template <int XS>
+static inline void int8_dot_rows(const float* x, const float* xsum, int64_t k, const uint8_t* const* wr,
+                                 const float* const* dr, const float* const* mr, float sums[4][4]) {
+  const int64_t groups = k / 32;
+#if defined(__AVX512F__)
+  // 16 weights a conversion: a third of the instructions of the AVX2 path below, which ran a
+  // one-row pass over SmolLM2's layers no faster than oneDNN's bf16 on a 2-core Zen 4 EPYC.
+  __m512 acc[XS][4];
+  float low[XS][4];
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) acc[j][r] = _mm512_setzero_ps(), low[j][r] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* p = wr[r] + g * 32;
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      const __m512 d = _mm512_set1_ps(dr[r][g]);
+      for (int j = 0; j < XS; ++j) {
+        const float* xg = x + j * k + g * 32;
+        const __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xg)));
+        acc[j][r] = _mm512_fmadd_ps(t, d, acc[j][r]);
+        low[j][r] += mr[r][g] * xsum[j * groups + g];
+      }
+    }
+  }
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) sums[j][r] = _mm512_reduce_add_ps(acc[j][r]) + low[j][r];
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[XS][4];
+  float low[XS][4];
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) acc[j][r] = _mm256_setzero_ps(), low[j][r] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* p = wr[r] + g * 32;
+      const __m256 w0 = widen8(p), w1 = widen8(p + 8), w2 = widen8(p + 16), w3 = widen8(p + 24);
+      const __m256 d = _mm256_set1_ps(dr[r][g]);
+      for (int j = 0; j < XS; ++j) {
+        const float* xg = x + j * k + g * 32;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), t);
+        acc[j][r] = _mm256_fmadd_ps(t, d, acc[j][r]);
+        low[j][r] += mr[r][g] * xsum[j * groups + g];
+      }
+    }
+  }
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) sums[j][r] = hsum(acc[j][r]) + low[j][r];
+#else
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < 4; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.f;
+        for (int c = 0; c < 32; ++c) dot += static_cast<float>(wr[r][g * 32 + c]) * x[j * k + g * 32 + c];
+        total += dr[r][g] * dot + mr[r][g] * xsum[j * groups + g];
+      }
+      sums[j][r] = total;
+    }
+#endif
+}
+
+// Rows of 4 weights at a time, each thread its own run of them; x's rows 4 at a time against each.
+template <typename S, typename T, typename Dot>
+static void quant_rows(int64_t m, int64_t n, int64_t row_bytes, int64_t groups, const uint8_t* qw, const S* scales,
+                       const S* mins, const T* bias, T* out, Dot dot) {
+  at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t r0 = quad * 4, rows = std::min<int64_t>(4, n - r0);
+      // Past the last weight row, repeat it: its sums are computed and dropped.
+      const uint8_t* wr[4];
+      const S* dr[4];
+      const S* mr[4];
+      for (int64_t r = 0; r < 4; ++r) {
+        const int64_t row = r0 + std::min(r, rows - 1);
+        wr[r] = qw + row * row_bytes;
+        dr[r] = scales + row * groups;
+        mr[r] = mins + row * groups;
+      }
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t xs_rows = std::min<int64_t>(4, m - i);
+        float sums[4][4];
+        dot(i, xs_rows, wr, dr, mr, sums);
+        for (int64_t j = 0; j < xs_rows; ++j)
+          for (int64_t r = 0; r < rows; ++r)
+            out[(i + j) * n + r0 + r] = static_cast<T>(sums[j][r] + (bias ? to_f(bias[r0 + r]) : 0.f));
+      }
+    }
+  });
+}
+
+static void check_quantized(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
+                            int64_t k) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(k % 32 == 0, "in_features must be a multiple of 32 (the quantization group)");
+  TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) == (bits == 8 ? k : k / 2),
+              "qweight must be a contiguous uint8 [out_features, in_features / (8 / bits)]");
+  const auto scale_type = bits == 8 ? torch::kFloat : torch::kHalf;
+  const int64_t n = qweight.size(0);
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == scale_type && t->is_contiguous() && t->numel() == n * (k / 32),
+                "scales and mins must be contiguous [out_features, in_features / 32], fp32 (int8) or fp16 (int4)");
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                           c10::optional<torch::Tensor> bias, int64_t bits) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "quant_linear takes fp32 or bf16 x");
+  const int64_t k = x.size(-1);
+  check_quantized(qweight, scales, mins, bits, k);
+  x = x.contiguous();
+  const int64_t n = qweight.size(0), m = x.numel() / k, groups = k / 32;
+  torch::Tensor bias_c = checked_bias(bias, x, n);
+  auto out = linear_out(x, n);
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  auto f32 = x.options().dtype(torch::kFloat);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
+    const scalar_t* b = bias_c.defined() ? bias_c.data_ptr<scalar_t>() : nullptr;
+    if (bits == 8) {
+      auto xf = torch::empty({m, k}, f32);
+      auto xsum = torch::empty({m, groups}, f32);
+      widen_rows<scalar_t>(x.data_ptr<scalar_t>(), m, k, xf.data_ptr<float>(), xsum.data_ptr<float>());
+      const float* xp = xf.data_ptr<float>();
+      const float* sp = xsum.data_ptr<float>();
+      quant_rows<float, scalar_t>(m, n, k, groups, qw, scales.data_ptr<float>(), mins.data_ptr<float>(), b,
+                                  out.data_ptr<scalar_t>(),
+                                  [&](int64_t i, int64_t rows, const uint8_t* const* wr, const float* const* dr,
+                                      const float* const* mr, float sums[4][4]) {
+                                    const float* xi = xp + i * k;
+                                    const float* si = sp + i * groups;
+                                    switch (rows) {
+                                      case 1: int8_dot_rows<1>(xi, si, k, wr, dr, mr, sums); break;
+                                      case 2: int8_dot_rows<2>(xi, si, k, wr, dr, mr, sums); break;
+                                      case 3: int8_dot_rows<3>(xi, si, k, wr, dr, mr, sums); break;
+                                      default: int8_dot_rows<4>(xi, si, k, wr, dr, mr, sums); break;
+                                    }
+                                  });
+    } else {
+      auto xq = torch::empty({m, k}, x.options().dtype(torch::kChar));
+      auto xd = torch::empty({m, groups}, f32);
+      auto xs = torch::empty({m, groups}, f32);
+      quantize_rows<scalar_t>(x.data_ptr<scalar_t>(), m, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+      const int8_t* qp = xq.data_ptr<int8_t>();
+      const float* dp = xd.data_ptr<float>();
+      const float* sp = xs.data_ptr<float>();
+      quant_rows<at::Half, scalar_t>(m, n, k / 2, groups, qw, scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), b,
+                                     out.data_ptr<scalar_t>(),
+                                     [&](int64_t i, int64_t rows, const uint8_t* const* wr, const at::Half* const* dr,
+                                         const at::Half* const* mr, float sums[4][4]) {
+                                       const int8_t* qi = qp + i * k;
+                                       const float* di = dp + i * groups;
+                                       const float* si = sp + i * groups;
+                                       switch (rows) {
+                                         case 1: int4_dot_rows<1>(qi, di, si, k, wr, dr, mr, sums); break;
+                                         case 2: int4_dot_rows<2>(qi, di, si, k, wr, dr, mr, sums); break;
+                                         case 3: int4_dot_rows<3>(qi, di, si, k, wr, dr, mr, sums); break;
+                                         default: int4_dot_rows<4>(qi, di, si, k, wr, dr, mr, sums); break;
+                                       }
+                                     });
+    }
+  });
+  return out;
+}
+
+// The weights back in `dtype`, [out_features, in_features]: for long prefill chunks, which a
+// GEMM over them computes faster than the rows above do, and for the embedding's lookups.
+torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                               int64_t in_features, at::ScalarType dtype) {
+  const int64_t k = in_features;
+  check_quantized(qweight, scales, mins, bits, k);
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "quant_dequantize gives fp32 or bf16");
+  const int64_t n = qweight.size(0), groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
+  auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "quant_dequantize", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t row = g / groups, col = g % groups;
+        const float d = bits == 8 ? scales.data_ptr<float>()[g] : static_cast<float>(scales.data_ptr<at::Half>()[g]);
+        const float base = bits == 8 ? mins.data_ptr<float>()[g] : static_cast<float>(mins.data_ptr<at::Half>()[g]);
+        const uint8_t* p = qw + row * row_bytes + col * (bits == 8 ? 32 : 16);
+        scalar_t* dst = o + g * 32;
+        for (int c = 0; c < 32; ++c) {
+          const int q = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
+          dst[c] = static_cast<scalar_t>(d * static_cast<float>(q) + base);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 #define NOGIL py::call_guard<py::gil_scoped_release>()
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1553,4 +1879,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false);
   m.def("linear_small", &linear_small, NOGIL, "x @ w.T + bias for a few rows of x, fp32 or bf16 (CPU)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
+  m.def("quant_linear", &quant_linear, NOGIL, "x @ W.T + bias, W int8 or int4 in groups of 32 (kernels.quant), x quantized to int8 (CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
+  m.def("quant_dequantize", &quant_dequantize, NOGIL, "int8 or int4 weights (kernels.quant) back in fp32 or bf16 (CPU)",
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("in_features"), py::arg("dtype"));
 }

@@ -48,6 +48,16 @@ def test_a_bad_kernels_setting_fails_the_system_checks(settings):
         call_command("check")
 
 
+def test_a_bad_quantization_fails_the_system_checks_and_the_checks_know_the_engines_choices(settings):
+    from inference import checks
+    from inference.engine.config import QUANTIZATIONS
+
+    assert checks.QUANTIZATIONS == QUANTIZATIONS  # named twice, so the checks import no torch
+    settings.INFERENCE = {**settings.INFERENCE, "QUANTIZATION": "int3"}
+    with pytest.raises(SystemCheckError, match="INFERENCE_QUANTIZATION must be one of none, int8, int4"):
+        call_command("check")
+
+
 @pytest.mark.parametrize("name, value", [("LIMITS_REDIS_TIMEOUT_S", 0), ("LIMITS_FALLBACK_SHARE", 1.5),
                                          ("LIMITS_FALLBACK_SHARE", -0.1)])
 def test_a_limits_fallback_setting_out_of_range_fails_the_system_checks(settings, name, value):

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import PagedAttentionMetadata
+from kernels import PagedAttentionMetadata, quant
+from kernels.quant import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -159,15 +160,35 @@ class GateUp:
         return self.silu_and_mul(self.linear(x))
 
 
+class QuantGateUp:
+    """GateUp over quantized weights: one projection, then the backend's silu_and_mul."""
+
+    def __init__(self, linear: QuantLinear, silu_and_mul):
+        self.linear = linear
+        self.silu_and_mul = silu_and_mul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.silu_and_mul(self.linear(x))
+
+
 class LlamaModel(torch.nn.Module):
-    """Weights in Hugging Face names, with q/k/v and gate/up fused into one matmul each."""
+    """Weights in Hugging Face names, with q/k/v and gate/up fused into one matmul each.
+
+    quantization "int8" or "int4" (kernels.quant): every linear layer and the LM head hold
+    their weights quantized in groups of 32 and nothing else; the embedding table is the
+    LM head's quantized weight when they are tied, its rows dequantized as they are looked
+    up. Norms stay in `dtype`."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 kernels_choice: str = "auto"):
+                 kernels_choice: str = "auto", quantization: str = "none"):
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
+        bits = quant.BITS.get(quantization)
+        if quantization != "none" and bits is None:
+            raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -177,9 +198,24 @@ class LlamaModel(torch.nn.Module):
             return t.to(device=device, dtype=dtype).contiguous()
 
         self.ops = kernels.ops_for(device, dtype, kernels_choice)
-        self.embed = take("model.embed_tokens.weight")
-        tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"), keep_weight=True, kernels_choice=kernels_choice)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, **options) -> Linear | QuantLinear:
+            if bits is None:
+                return Linear(weight, bias, kernels_choice=kernels_choice, **options)
+            return QuantLinear(quant.quantize(weight, bits), bias)
+
+        def gate_up(weight: torch.Tensor) -> GateUp | QuantGateUp:
+            if bits is None:
+                return GateUp(weight, self.ops.silu_and_mul, kernels_choice)
+            return QuantGateUp(linear(weight), self.ops.silu_and_mul)
+
+        self.tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
+        embed = take("model.embed_tokens.weight")
+        self.lm_head = linear(embed if self.tied else take("lm_head.weight"), keep_weight=True)
+        # Quantized, the table is looked up row by row (`_embed`); tied, it is the head's weight.
+        self.embed = embed if bits is None else None
+        self.embed_q = None if bits is None or self.tied else quant.quantize(embed, bits)
+        del embed
         self.norm = take("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -189,12 +225,11 @@ class LlamaModel(torch.nn.Module):
             self.layers.append(
                 {
                     "input_norm": take(p + "input_layernorm.weight"),
-                    "qkv": Linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias, kernels_choice=kernels_choice),
-                    "o": Linear(take(attn + "o_proj.weight"), kernels_choice=kernels_choice),
+                    "qkv": linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                    "o": linear(take(attn + "o_proj.weight")),
                     "post_norm": take(p + "post_attention_layernorm.weight"),
-                    "gate_up": GateUp(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                                      self.ops.silu_and_mul, kernels_choice),
-                    "down": Linear(take(p + "mlp.down_proj.weight"), kernels_choice=kernels_choice),
+                    "gate_up": gate_up(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    "down": linear(take(p + "mlp.down_proj.weight")),
                 }
             )
 
@@ -206,19 +241,60 @@ class LlamaModel(torch.nn.Module):
         self.scale = config.head_dim**-0.5
 
     def num_parameters(self) -> int:
-        tensors = [self.embed, self.norm]
-        if self.lm_head.weight is not self.embed:
-            tensors.append(self.lm_head.weight)
-        count = 0
+        tensors = [self.norm]
+        count = self.config.vocab_size * self.config.hidden_size  # the embedding table
+        if not self.tied:
+            count += self.lm_head.out_features * self.lm_head.in_features
         for layer in self.layers:
             for part in layer.values():
-                part = part.linear if isinstance(part, GateUp) else part
-                if isinstance(part, Linear):
+                part = part.linear if isinstance(part, (GateUp, QuantGateUp)) else part
+                if isinstance(part, (Linear, QuantLinear)):
                     count += part.out_features * part.in_features
                     tensors += [part.bias] if part.bias is not None else []
                 else:
                     tensors.append(part)
         return count + sum(t.numel() for t in tensors)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold (quantized ones as stored, scales included)."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(t: torch.Tensor | None) -> None:
+            nonlocal total
+            if t is not None and id(t) not in seen:  # by object: oneDNN's packed weights have no data pointer
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+
+        def add_linear(part) -> None:
+            if isinstance(part, QuantLinear):
+                for t in (part.qw.qweight, part.qw.scales, part.qw.mins, part.bias):
+                    add(t)
+            else:
+                for t in (part.weight, part.bias, part.packed):
+                    add(t)
+
+        add(self.embed)
+        add(self.norm)
+        if self.embed_q is not None:
+            for t in (self.embed_q.qweight, self.embed_q.scales, self.embed_q.mins):
+                add(t)
+        add_linear(self.lm_head)
+        for layer in self.layers:
+            for part in layer.values():
+                if isinstance(part, (GateUp, QuantGateUp)):
+                    add_linear(part.linear)
+                elif isinstance(part, (Linear, QuantLinear)):
+                    add_linear(part)
+                else:
+                    add(part)
+        return total
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return self.embed[input_ids]
+        table = self.lm_head.qw if self.embed_q is None else self.embed_q
+        return quant.dequantize_rows(table, input_ids, self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -234,7 +310,7 @@ class LlamaModel(torch.nn.Module):
         eps = cfg.rms_norm_eps
         ops = self.ops
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        hidden = self.embed[input_ids]  # [num_tokens, hidden]
+        hidden = self._embed(input_ids)  # [num_tokens, hidden]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:

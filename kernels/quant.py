@@ -1,0 +1,168 @@
+"""Weight-only quantization: int8 and int4 weights in groups of 32, and linear layers over them.
+
+A group is 32 consecutive weights of an output row (along in_features), as GGUF's Q8_0 and
+Q4_1 blocks are:
+
+- w = d * q + m, m = min(w) and d = (max(w) - m) / (2^bits - 1), or the grid centred on zero
+  (Q8_0's) where that is closer;
+- int8: q in 0..255, a byte each, d and m fp32 (10 bits a weight);
+- int4: q in 0..15, two a byte, d and m fp16 (5 bits a weight): in each group's 16 bytes, byte
+  j holds q[j] in its low nibble and q[j + 16] in its high.
+
+int4 is Q4_1's form, so the packaged Q4_1 GGUF, dequantized at load, quantizes back onto the
+same grid (a group's min and max are two of its 16 levels): requantizing loses only the fp16
+rounding of d and m, and no second copy of the weights in their GGUF blocks is needed. int8
+with a minimum holds those 16 levels exactly too (every 17th of its 256): a symmetric int8
+(w = d * q) did not, and its greedy output left the unquantized model's on 1 of 5 chat prompts
+at the second token.
+
+`QuantLinear` runs the compiled `quant_linear` (kernels/csrc/cpu_kernels.cpp) for the rows of a
+decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
+dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
+The reference (`quant_linear_reference`) does what the kernel does, in PyTorch: int8 dots x in
+fp32 with the dequantized weights; int4 quantizes x to int8 per row and group (as llama.cpp's
+Q4_1 x Q8_1 does), takes integer dots and applies the scales per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ext
+
+GROUP = 32
+BITS = {"int8": 8, "int4": 4}
+# int8's d and m in fp32: in fp16, d = (max - min) / 255 of a Q4_1 group is rounded off its grid
+# (0.05% of the weights' norm), and greedy output left the unquantized model's on 1 of 5 chat
+# prompts at the 11th token; in fp32 it did on none.
+SCALE_DTYPES = {8: torch.float32, 4: torch.float16}
+# Rows up to which the compiled kernel takes a CPU linear layer; above it, the dequantized
+# weights and oneDNN (bench/quant_linear.py measures the crossing).
+KERNEL_ROWS = 32
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    bits: int
+    qweight: torch.Tensor  # uint8 [n, k] (8 bits) or [n, k / 2] (4 bits)
+    scales: torch.Tensor  # [n, k / 32], SCALE_DTYPES[bits]
+    mins: torch.Tensor  # likewise
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
+    """[n, k] weights (k a multiple of 32) in groups of 32, round to nearest."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"in_features must be a multiple of {GROUP} to quantize, got {k}")
+    w = weight.detach().float().view(n, k // GROUP, GROUP)
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    top = (1 << bits) - 1
+    lo, hi = w.amin(-1), w.amax(-1)
+    # Two grids per group, the closer kept: the group's own range (Q4_1's), or one centred on
+    # zero, d = max|w| / (top // 2) and m = -(top // 2 + 1) * d (Q8_0's, whose levels it holds).
+    scale_dtype = SCALE_DTYPES[bits]
+    low = lo.to(scale_dtype).float()
+    ranged = _fit(w, low, (hi - low) / top, top, scale_dtype)
+    amax = torch.maximum(hi.abs(), lo.abs())
+    d_sym = (amax / (top // 2)).to(scale_dtype).float()
+    centred = _fit(w, -(top // 2 + 1) * d_sym, d_sym, top, scale_dtype)
+    take = (centred[2] < ranged[2])[..., None]
+    q = torch.where(take, centred[0], ranged[0])
+    d = torch.where(take[..., 0], centred[1], ranged[1]).contiguous()
+    m = torch.where(take[..., 0], centred[3], ranged[3]).contiguous()
+    if bits == 8:
+        return QuantizedWeight(8, q.view(n, k).contiguous(), d.contiguous(), m.contiguous(), k)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return QuantizedWeight(4, packed.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous(), k)
+
+
+def _fit(w: torch.Tensor, m: torch.Tensor, d: torch.Tensor, top: int, scale_dtype: torch.dtype):
+    """Levels of w on the grid m + d * q (q in 0..top): (q uint8, d, squared error per group, m)."""
+    d, m = d.to(scale_dtype), m.to(scale_dtype)
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp(0, top)
+    error = ((q * d.float()[..., None] + m.float()[..., None] - w) ** 2).sum(-1)
+    return q.to(torch.uint8), d, error, m
+
+
+def _levels(qw: QuantizedWeight) -> torch.Tensor:
+    """The integer levels, [n, k / 32, 32] as int32."""
+    n = qw.out_features
+    if qw.bits == 8:
+        return qw.qweight.view(n, -1, GROUP).to(torch.int32)
+    packed = qw.qweight.view(n, -1, GROUP // 2)
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int32)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights back as [n, k]: the compiled kernel on CPU where it is built, else PyTorch."""
+    if qw.qweight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        module = cpu_ext.load()
+        if module is not None:
+            return module.quant_dequantize(qw.qweight, qw.scales, qw.mins, qw.bits, qw.in_features, dtype)
+    w = _levels(qw).float() * qw.scales.float()[..., None] + qw.mins.float()[..., None]
+    return w.view(qw.out_features, qw.in_features).to(dtype)
+
+
+def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Only `rows` of the weights (an embedding lookup), [len(rows), k]."""
+    part = QuantizedWeight(qw.bits, qw.qweight[rows], qw.scales[rows], qw.mins[rows], qw.in_features)
+    return dequantize(part, dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (xq int32 [m, k / 32, 32], xd fp32 [m, k / 32]), as the kernel quantizes it."""
+    m, k = x.shape
+    g = x.float().view(m, k // GROUP, GROUP)
+    amax = g.abs().amax(-1)
+    xd = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(g * inv[..., None]).to(torch.int32), xd
+
+
+def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `quant_linear` computes, in PyTorch (int4: exact integer dots, fp32 scaling)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if qw.bits == 8:
+        out = x2.float() @ dequantize(qw, torch.float32).T + (bias.float() if bias is not None else 0)
+        return out.to(x.dtype).view(*shape[:-1], qw.out_features)
+    xq, xd = quantize_activations(x2)
+    levels = _levels(qw)
+    # [m, n, groups]: each group's integer dot, exact in float64 (at most 32 * 127 * 127).
+    dots = torch.einsum("mgc,ngc->mng", xq.double(), levels.double()).float()
+    out = (dots * qw.scales.float()[None] * xd[:, None, :]).sum(-1)
+    sums = xq.sum(-1).float() * xd  # [m, groups]
+    out = out + (sums[:, None, :] * qw.mins.float()[None]).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*shape[:-1], qw.out_features)
+
+
+class QuantLinear:
+    """y = x @ W.T + b over quantized weights; holds only the quantized form."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None):
+        self.qw = qw
+        self.bias = bias
+        self.out_features, self.in_features = qw.out_features, qw.in_features
+        self.module = cpu_ext.load() if qw.qweight.device.type == "cpu" else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.module is not None and rows <= KERNEL_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            return self.module.quant_linear(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
+        return F.linear(x, dequantize(self.qw, x.dtype), self.bias)

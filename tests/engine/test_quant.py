@@ -1,0 +1,158 @@
+"""Weight-only quantization (issue 21): the int8 and int4 kernels against their reference, and
+the real model quantized at load against itself unquantized.
+
+The fixed text (data/perplexity.txt, 3,058 tokens) is three sections of Python 3.11's
+documentation (pydoc_data.topics: objects, naming, exceptions; PSF licence).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference.engine.api import SamplingParams
+from inference.engine.config import ConfigError, EngineConfig
+from inference.engine.engine import LLMEngine, LoadedModel
+from inference.engine.loader import load_model
+from kernels import cpu_ext, quant
+from tests.engine.conftest import CHAT_PROMPTS
+
+TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+GREEDY_64 = SamplingParams(max_tokens=64, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    module = cpu_ext.load()
+    assert module is not None, "the CPU extension did not build: quant_linear cannot be checked"
+    return module
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+def test_the_kernel_computes_what_its_reference_does(compiled, bits, dtype, rows):
+    g = torch.Generator().manual_seed(rows * 10 + bits)
+    for n, k in [(13, 96), (96, 64), (577, 576)]:  # ragged row counts, a few groups, a real width
+        qw = quant.quantize(torch.randn(n, k, generator=g) * 0.05, bits)
+        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype)
+        got = compiled.quant_linear(x, qw.qweight, qw.scales, qw.mins, bias, bits).float()
+        want = quant.quant_linear_reference(x, qw, bias).float()
+        # Integer dots are exact; what differs is the order of fp32 sums (and bf16's rounding).
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), (n, k)
+
+
+@pytest.mark.parametrize("bits, worst", [(8, 0.005), (4, 0.08)])
+def test_quantized_weights_stay_close_and_dequantize_alike_in_cpp_and_pytorch(compiled, bits, worst):
+    w = torch.randn(257, 192, generator=torch.Generator().manual_seed(bits)) * 0.05
+    qw = quant.quantize(w, bits)
+    fast = quant.dequantize(qw, torch.float32)
+    slow = (quant._levels(qw).float() * qw.scales.float()[..., None] + qw.mins.float()[..., None]).view(257, 192)
+    assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-8)  # the C++ build may fuse the multiply-add
+    assert ((fast - w).norm() / w.norm()).item() < worst
+    bits_per_weight = 8 * qw.nbytes / w.numel()
+    assert bits_per_weight == (10.0 if bits == 8 else 5.0)
+
+
+def test_int4_puts_q4_1_weights_back_on_their_own_grid():
+    """The packaged GGUF is Q4_1: weights on 16 levels a group. Quantized again to int4 they
+    land on the same levels (up to the fp16 rounding of scale and minimum)."""
+    g = torch.Generator().manual_seed(1)
+    d, m = torch.rand(64, 6, 1, generator=g) * 0.01, -torch.rand(64, 6, 1, generator=g) * 0.05
+    levels = torch.randint(0, 16, (64, 6, 32), generator=g).float()
+    levels[..., 0], levels[..., 1] = 0, 15  # each group spans its grid, as Q4_1's groups do
+    w = (d.half().float() * levels + m.half().float()).view(64, 192)
+    back = quant.dequantize(quant.quantize(w, 4), torch.float32)
+    assert (back - w).abs().max() <= 1e-3 * w.abs().max()
+
+
+def test_a_linear_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many(compiled):
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05
+    layer = quant.QuantLinear(quant.quantize(w, 8))
+    few = torch.randn(quant.KERNEL_ROWS, 96)
+    many = torch.randn(quant.KERNEL_ROWS + 1, 96)
+    assert torch.allclose(layer(few), quant.quant_linear_reference(few, layer.qw), atol=1e-5)
+    assert torch.allclose(layer(many), many @ quant.dequantize(layer.qw).T, atol=1e-5)
+
+
+def test_an_unknown_quantization_is_a_config_error():
+    with pytest.raises(ConfigError) as refused:
+        EngineConfig(quantization="int3")
+    assert refused.value.setting == "quantization"
+
+
+# --- the real model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The packaged model in fp32: unquantized, int8 and int4 (each loaded from the GGUF)."""
+    loaded = {}
+    for name in ("none", "int8", "int4"):
+        model, source = load_model("SmolLM2-135M-Instruct", torch.float32, torch.device("cpu"), quantization=name)
+        loaded[name] = model
+    return loaded
+
+
+def _engine(model, smollm) -> LLMEngine:
+    _, tokenizer = smollm
+    return LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=4096), LoadedModel(model, tokenizer))
+
+
+def perplexity(model, smollm, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of each next token of `ids`, in one forward pass."""
+    engine = _engine(model, smollm)
+    engine.add_request("ppl", ids, SamplingParams(max_tokens=1))
+    items = list(engine.scheduler.schedule().scheduled)
+    assert len(items) == 1 and items[0].num_new_tokens == len(ids)
+    inputs, _ = engine.runner._prepare(items)
+    logits = model.compute_logits(model(*inputs)).float()
+    return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+
+
+def test_perplexity_of_int8_within_2_percent_and_int4_within_8_of_unquantized(models, smollm):
+    _, tokenizer = smollm
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) >= 2000
+    base = perplexity(models["none"], smollm, ids)
+    int8 = perplexity(models["int8"], smollm, ids)
+    int4 = perplexity(models["int4"], smollm, ids)
+    assert 1 < base < 100  # the model reads the text as text
+    assert abs(int8 / base - 1) <= 0.02, (base, int8)
+    assert abs(int4 / base - 1) <= 0.08, (base, int4)
+
+
+def test_int8_greedy_output_agrees_with_unquantized_on_90_percent_of_tokens(models, smollm, chat_prompt_ids):
+    outputs = {}
+    for name in ("none", "int8", "int4"):
+        completions = _engine(models[name], smollm).generate(chat_prompt_ids, GREEDY_64)
+        outputs[name] = [c.token_ids for c in completions]
+    assert len(outputs["none"]) == len(CHAT_PROMPTS)
+
+    def agreement(name: str) -> float:
+        same = total = 0
+        for base, other in zip(outputs["none"], outputs[name]):
+            total += len(base)
+            # Position by position up to where they part, as a user reads them: after the first
+            # difference the rest is another reply, not a comparable one.
+            for a, b in zip(base, other):
+                if a != b:
+                    break
+                same += 1
+        return same / total
+
+    assert agreement("int8") >= 0.9, agreement("int8")
+    assert agreement("int4") > 0  # int4 answers, and starts alike
+
+
+def test_quantized_models_hold_only_their_quantized_weights(models):
+    full, int8, int4 = (models[name].weight_bytes() for name in ("none", "int8", "int4"))
+    # fp32 here: 4 bytes a weight against 10 and 5 bits (bf16 halves the first).
+    assert int8 < 0.3 * full and int4 < 0.2 * full, (full, int8, int4)
+    assert models["int4"].embed is None and models["int4"].lm_head.qw.bits == 4
+    assert models["int4"].num_parameters() == models["none"].num_parameters()
