@@ -275,7 +275,7 @@ def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> No
         vocab = engine.vocab_size
         del engine
 
-        def fresh(caching: bool) -> LLMEngine:
+        def fresh(caching: bool, config=config, loaded=loaded) -> LLMEngine:  # this pass's, bound now
             return LLMEngine(replace(config, enable_prefix_caching=caching), loaded)
 
         reqs = make_requests(args.requests, seed=0, vocab=vocab)
