@@ -17,4 +17,5 @@ urlpatterns = [
     path("batches/", views.batches, name="batches"),
     path("batches/<str:batch_id>/cancel/", views.cancel_batch, name="cancel-batch"),
     path("playground/", views.playground, name="playground"),
+    path("audit/", views.audit, name="audit"),
 ]

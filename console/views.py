@@ -26,7 +26,7 @@ from batches import actions as batch_actions
 from batches.models import Batch
 from console import queries
 from tenants import actions
-from tenants.models import ApiKey, QuotaTier, Tenant
+from tenants.models import ApiKey, AuditEntry, QuotaTier, Tenant
 
 PLAYGROUND_KEY_TTL = timedelta(hours=1)
 
@@ -143,6 +143,29 @@ def batches(request: HttpRequest) -> HttpResponse:
     rows = queries.batch_rows()
     active = any(row["batch"].status in Batch.ACTIVE or row["batch"].status == Batch.Status.VALIDATING for row in rows)
     return render(request, "console/batches.html", {"section": "batches", "rows": rows, "active": active})
+
+
+AUDIT_PAGE = 100
+
+
+@staff_member_required
+@requires(get="tenants.view_auditentry")
+@require_GET
+def audit(request: HttpRequest) -> HttpResponse:
+    """Staff writes, newest first, each with the record before and after; ?target=tenant:3 narrows."""
+    entries = AuditEntry.objects.all()
+    target = request.GET.get("target", "").strip()[:200]
+    if target:
+        entries = entries.filter(target=target)
+    try:
+        page = max(1, int(request.GET.get("page", "1")))
+    except ValueError:
+        page = 1
+    rows = list(entries[(page - 1) * AUDIT_PAGE:page * AUDIT_PAGE + 1])
+    return render(request, "console/audit.html", {
+        "section": "audit", "entries": rows[:AUDIT_PAGE], "target": target, "page": page,
+        "more": len(rows) > AUDIT_PAGE,
+    })
 
 
 @staff_member_required

@@ -147,3 +147,15 @@ def test_the_tenant_page_shows_each_keys_usage_this_month_and_its_rights(admin_c
     assert cells[2].strip() == "batch, read · 60 rpm" and (cells[3], cells[4]) == ("3", "369")
     wide_row = re.search(rf"<tr>\s*<td><code>sk-{wide.prefix}_….*?</tr>", page, re.S).group(0)
     assert re.findall(r"<td[^>]*>(.*?)</td>", wide_row, re.S)[2:5] == ["all", "1", "10"]
+
+
+def test_the_audit_log_shows_staff_writes_with_before_and_after(admin_client, tenant):
+    bigger, _ = actions.save_tier("console-bigger", lane=0, requests_per_minute=1000, tokens_per_minute=100_000,
+                                  concurrent_streams=8, max_tokens_per_request=512, monthly_token_budget=10**9)
+    admin_client.post(reverse("console:change-tier", kwargs={"pk": tenant.pk}), {"tier": bigger.pk})
+    page = admin_client.get(reverse("console:audit"), {"target": f"tenant:{tenant.pk}"}).content.decode()
+    [row] = re.findall(r"<tr>\s*<td>\d{4}-.*?</tr>", page, re.S)
+    assert "tenant.change_tier" in row and "admin" in row  # the admin_client's user
+    assert "console-test" in row and "console-bigger" in row  # the tier before and after
+    other = admin_client.get(reverse("console:audit"), {"target": "tenant:999999"}).content.decode()
+    assert "No staff writes to tenant:999999" in other
