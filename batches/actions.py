@@ -204,7 +204,7 @@ def _ts(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
 
 
-def batch_object(batch: Batch, counts: dict[str, int] | None = None, usage: dict | None = None) -> dict:
+def batch_object(batch: Batch, counts: dict[str, int] | None = None) -> dict:
     return {
         "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": batch.errors,
         "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": batch.status,
@@ -216,13 +216,17 @@ def batch_object(batch: Batch, counts: dict[str, int] | None = None, usage: dict
         "cancelled_at": _ts(batch.cancelled_at),
         "request_counts": counts if counts is not None else request_counts(batch),
         "metadata": batch.metadata, "model": batch.model or None,
-        "usage": usage if usage is not None else batch_usage(batch),
+        "usage": batch_usage(batch),
     }
 
 
 def batch_usage(batch: Batch) -> dict:
     """The tokens its items used so far, from their usage rows (one per item, whatever its attempts)."""
-    return usage_of([batch.id])[batch.id]
+    total = UsageRecord.objects.filter(batch=batch.id).aggregate(
+        given=Sum("prompt_tokens"), cached=Sum("cached_tokens"), made=Sum("completion_tokens"))
+    given, cached, made = total["given"] or 0, total["cached"] or 0, total["made"] or 0
+    return {"input_tokens": given, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": made, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": given + made}
 
 
 def usage_of(batch_ids: list[str]) -> dict[str, dict]:

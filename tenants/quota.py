@@ -367,8 +367,11 @@ def settle_budget(tenant: Tenant, reservation: Reservation, used: int) -> None:
 
 def settle_key_budget(reservation: Reservation, used: int) -> None:
     """As `settle_budget`, for a key's own budget (the reservation names the key's scope)."""
-    api_key = ApiKey.objects.select_related("tenant").get(pk=int(reservation.scope.removeprefix("key:")))
-    _settle(reservation.scope, reservation, used, lambda now: _used_in_database(api_key.tenant, now, api_key))
+    def used_in_database(now: datetime) -> int:  # only when Redis lost the counter
+        api_key = ApiKey.objects.select_related("tenant").get(pk=int(reservation.scope.removeprefix("key:")))
+        return _used_in_database(api_key.tenant, now, api_key)
+
+    _settle(reservation.scope, reservation, used, used_in_database)
 
 
 def charge_monthly_tokens(tenant: Tenant, tokens: int, now: datetime | None = None,
