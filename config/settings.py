@@ -138,7 +138,7 @@ CHANNEL_LAYERS = {
 STREAM_LEASE_TTL_S = env.float("STREAM_LEASE_TTL_S", default=30.0)
 # Admission's deadline on each Redis call (local Redis answers in ~0.2 ms). One that misses
 # it makes this process decide limits alone until Redis answers a write (tenants.fallback).
-LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.1)
+LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.05)
 # The part of each limit one process grants alone while Redis is away: 1 for one web
 # process, 1/N for N replicas; 0 refuses with 503 instead (fail closed).
 LIMITS_FALLBACK_SHARE = env.float("LIMITS_FALLBACK_SHARE", default=1.0)

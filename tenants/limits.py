@@ -108,18 +108,25 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(last[2]) - now) + 1)
 return live
 """
 
-# Give units back to a bucket (a reservation that was not used up). KEYS: the bucket.
-# ARGV: period_ms, limit, units. The level drains first, then loses the units, never below 0.
-_TOKEN_REFUND = """
-local stored = redis.call('GET', KEYS[1])
-if not stored then return 0 end
+# Move a bucket's level by signed units: a refund gives back what a reservation left unused;
+# a charge adds what a process admitted alone while Redis was away. KEYS: the bucket.
+# ARGV: period_ms, limit, units (> 0 gives back). The level drains first, then moves, and
+# stays within [0, limit].
+_TOKEN_ADJUST = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local period, limit, units = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local rate = limit / period
-local sep = string.find(stored, ' ')
-local old, at = tonumber(string.sub(stored, 1, sep - 1)), tonumber(string.sub(stored, sep + 1))
-local level = math.max(0, math.min(limit, old - (now - at) * rate) - units)
+local level = 0
+local stored = redis.call('GET', KEYS[1])
+if stored then
+  local sep = string.find(stored, ' ')
+  local old, at = tonumber(string.sub(stored, 1, sep - 1)), tonumber(string.sub(stored, sep + 1))
+  level = math.max(0, math.min(limit, old - (now - at) * rate))
+elseif units >= 0 then
+  return 0
+end
+level = math.min(limit, math.max(0, level - units))
 if level <= 0 then
   redis.call('DEL', KEYS[1])
 else
@@ -306,7 +313,7 @@ class Limiter:
         self._budget_renew = client.register_script(_BUDGET_RENEW)
         self._budget_restore = client.register_script(_BUDGET_RESTORE)
         self._budget_settle = client.register_script(_BUDGET_SETTLE)
-        self._refund = client.register_script(_TOKEN_REFUND)
+        self._adjust = client.register_script(_TOKEN_ADJUST)
 
     def key(self, scope: str, name: str) -> str:
         return f"{self.namespace}:{{{scope}}}:{name}"
@@ -339,7 +346,12 @@ class Limiter:
     def refund(self, scope: str, name: str, limit: int, period_s: float, units: int) -> None:
         """Give `units` back to a bucket that `admit` charged (a reservation left unused)."""
         if units > 0:
-            self._refund(keys=[self.key(scope, name)], args=[_ms(period_s), limit, units])
+            self._adjust(keys=[self.key(scope, name)], args=[_ms(period_s), limit, units])
+
+    def charge(self, scope: str, name: str, limit: int, period_s: float, units: int) -> None:
+        """Add `units` to a bucket without checking it (what a process admitted alone)."""
+        if units > 0:
+            self._adjust(keys=[self.key(scope, name)], args=[_ms(period_s), limit, -units])
 
     def acquire_lease(self, scope: str, name: str, limit: int, ttl_s: float,
                       count: int = 1, lease_id: str | None = None) -> tuple[Lease | None, Decision]:

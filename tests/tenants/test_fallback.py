@@ -87,6 +87,26 @@ def test_requests_per_minute_admitted_before_a_stall_count_during_it(limiter, re
     answered_again(limiter)
 
 
+def test_what_was_admitted_alone_counts_in_redis_once_it_answers(limiter, redis):
+    """A false trip (a deadline missed by a busy process) must not hand a tenant its
+    requests/min or tokens/min a second time: what it spent alone is carried into Redis."""
+    costs = {"requests": (4, 1), "tokens": (1000, 300)}
+    with writes_paused(redis):
+        for _ in range(3):
+            alone = limiter.admit("tenant:1", 60, costs)
+            assert alone.allowed and alone.local
+        # A reservation admitted alone and settled alone: its unused 250 tokens are given back
+        # before they are ever carried, so Redis hears of the 50 used only.
+        limiter.refund("tenant:1", "tokens", 1000, 60, 250, local=True)
+    answered_again(limiter)
+    read = limiter.fast.admit("tenant:1", 60, {"requests": (4, 0), "tokens": (1000, 0)})
+    assert read.bucket("requests").remaining == 1  # 3 of 4 spent alone
+    assert read.bucket("tokens").remaining == 1000 - 3 * 300 + 250
+    assert limiter.admit("tenant:1", 60, {"requests": (4, 1)}).allowed
+    refused = limiter.admit("tenant:1", 60, {"requests": (4, 1)})
+    assert not refused.allowed and not refused.local
+
+
 def test_a_budget_during_a_stall_spends_only_the_room_redis_last_reported(limiter, redis):
     limiter.steady.counter_seed("tenant:1", "2030-01", 600, ttl_s=3600)
     held = limiter.reserve_budget("tenant:1", "2030-01", 1000, 100, ttl_s=30, keys_ttl_s=3600)
