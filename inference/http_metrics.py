@@ -34,7 +34,7 @@ from typing import Any
 from django.db.models import Count
 from django.urls import URLPattern
 from django.utils.decorators import sync_and_async_middleware
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from batches.models import BatchItem
@@ -52,6 +52,7 @@ NO_TENANT = "none"
 # once per this many seconds per process, however many scrapers and dashboards ask.
 BACKLOG_CACHE_S = 10.0
 
+disable_created_metrics()  # as the engine's registry does (inference/engine/metrics.py)
 REGISTRY = CollectorRegistry()
 RESPONSES = Counter("llm_http_responses", "HTTP responses and WebSocket handshakes",
                     ["endpoint", "status", "tenant"], registry=REGISTRY)
