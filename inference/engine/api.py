@@ -203,7 +203,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
     # "grammar": the request's own grammar reached a dead end (finish_reason "error"); the
-    # client's schema is at fault, not the engine, which serves on.
+    # client's schema is at fault, not the engine, which serves on. "queue_timeout": it waited
+    # past its lane's queue timeout and never ran.
     error_kind: str | None = None
 
 

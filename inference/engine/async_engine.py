@@ -540,11 +540,22 @@ class AsyncEngine:
         if out.finished:
             self._states.pop(state.request_id, None)
             if self.metrics:
-                seq = state.seq
-                queued = seq.first_scheduled_at - seq.arrival_time if seq and seq.first_scheduled_at is not None else None
+                queued = self._queue_time(state.seq, out)
                 self.metrics.observe_finished(state.lane, out.finish_reason, state.num_tokens, state.first_token_at,
                                               state.last_token_at, latency_s=now - state.submitted_at, queue_s=queued)
         self._outbox.append((state, out))
+
+    def _queue_time(self, seq: Sequence | None, out: RequestOutput) -> float | None:
+        """A request's wait before it was first scheduled, on the scheduler's clock; the whole
+        wait of one that timed out in its queue; None for one aborted before it ran (its
+        client's choice)."""
+        if seq is None:
+            return None
+        if seq.first_scheduled_at is not None:
+            return seq.first_scheduled_at - seq.arrival_time
+        if out.error_kind == "queue_timeout":
+            return self.engine.scheduler.clock() - seq.arrival_time
+        return None
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []

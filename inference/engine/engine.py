@@ -329,7 +329,8 @@ class LLMEngine:
             self.counters.finished_requests += 1
             timeout = self.config.lane_queue_timeout_s[seq.lane]
             out = self._output(seq, (), "", finished=True)
-            outputs.append(replace(out, error=f"waited longer than lane P{seq.lane}'s queue timeout ({timeout:.0f} s)"))
+            outputs.append(replace(out, error=f"waited longer than lane P{seq.lane}'s queue timeout ({timeout:.0f} s)",
+                                   error_kind="queue_timeout"))
         return outputs
 
     def _postprocess(self, schedule, sampled: list[SampledToken]) -> list[RequestOutput]:

@@ -223,6 +223,37 @@ def test_an_async_engine_feeds_latencies_tokens_and_gauges():
     assert all(name.startswith("llm_engine_") for name in families(metrics))
 
 
+def test_a_request_that_times_out_in_its_queue_counts_its_whole_wait():
+    clock = tiny.ManualClock()
+    metrics = EngineMetrics()
+    engine = tiny_engine(max_num_seqs=1, clock=clock, lane_queue_timeout_s=(30.0, 30.0, 5.0))
+    ae = AsyncEngine(engine, clock=clock, metrics=metrics)
+    ae.start()
+
+    async def main():
+        long = await ae.submit("long", [4, 5], SamplingParams(temperature=0, max_tokens=250, ignore_eos=True), lane=0)
+        while value(metrics, "llm_engine_requests_running", lane="P0") != 1:
+            await asyncio.sleep(0.002)
+        long.pause()  # it keeps the only sequence slot, and never ends by itself
+        while value(metrics, "llm_engine_requests_paused") != 1:
+            await asyncio.sleep(0.002)
+        late = await ae.submit("late", [6, 7], GREEDY, lane=2)
+        while value(metrics, "llm_engine_requests_waiting", lane="P2") != 1:
+            await asyncio.sleep(0.002)
+        clock.advance(6.0)
+        outs = [out async for out in late]
+        await long.aclose()
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), 15))
+    finally:
+        ae.shutdown()
+    assert outs[-1].error_kind == "queue_timeout" and not any(o.new_token_ids for o in outs)
+    assert value(metrics, "llm_engine_request_queue_time_seconds_count", lane="P2") == 1
+    assert value(metrics, "llm_engine_request_queue_time_seconds_sum", lane="P2") >= 6.0
+
+
 def test_gauges_show_a_request_in_flight():
     metrics = EngineMetrics()
     ae = AsyncEngine(tiny_engine(num_blocks=128), metrics=metrics)
