@@ -19,6 +19,9 @@ at the second token.
 `QuantLinear` runs the compiled `quant_linear` (kernels/csrc/cpu_kernels.cpp) for the rows of a
 decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
 dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
+On CUDA, `quant_linear_triton` dequantizes each tile of the weights in registers for every row
+count (checked against the dequantized copy under the interpreter and compiled for sm_90 and
+sm_80 in the tests; not yet measured on a GPU).
 The reference (`quant_linear_reference`) does what the kernel does, in PyTorch: int8 dots x in
 fp32 with the dequantized weights; int4 quantizes x to int8 per row and group (as llama.cpp's
 Q4_1 x Q8_1 does), takes integer dots and applies the scales per group.
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext
+from kernels import _triton, cpu_ext
+from kernels._triton import check, dot_precision, next_power_of_2, tl, triton
 
 GROUP = 32
 BITS = {"int8": 8, "int4": 4}
@@ -152,16 +156,94 @@ def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Ten
     return out.to(x.dtype).view(*shape[:-1], qw.out_features)
 
 
+@triton.jit
+def _quant_linear_kernel(
+    x_ptr, q_ptr, d_ptr, m_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_dn, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # A [BLOCK_M, BLOCK_N] tile of out = x @ W.T: each step along k dequantizes a [BLOCK_K,
+    # BLOCK_N] slice of W in registers (q * d + m, a group's d and m per 32 weights) and takes
+    # its dot with x, so W crosses memory as 8 or 4 bits a weight and never as a full copy.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        group = k // 32
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        if BITS == 8:
+            q = tl.load(q_ptr + rn[None, :] * stride_qn + k[:, None], mask=w_mask, other=0)
+        else:
+            # A group's 16 bytes hold its weight j in byte j's low nibble and j + 16 in its high.
+            j = k % 32
+            packed = tl.load(q_ptr + rn[None, :] * stride_qn + (group * 16 + j % 16)[:, None], mask=w_mask, other=0)
+            q = (packed >> ((j // 16) * 4).to(tl.uint8)[:, None]) & 0xF
+        d = tl.load(d_ptr + rn[None, :] * stride_dn + group[:, None], mask=w_mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + rn[None, :] * stride_dn + group[:, None], mask=w_mask, other=0.0).to(tl.float32)
+        # The weights rounded to x's dtype, as the CPU path's dequantized copy is; both tiles
+        # then in fp32 (dot_precision: the interpreter multiplies bf16 tiles as raw bits).
+        w = (q.to(tl.float32) * d + m).to(x.dtype).to(tl.float32)
+        acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+# tl.dot's smallest tile is 16 a side: a decode step's one row rides in a 16-row tile, which
+# costs nothing that matters where reading W is the whole cost. Not tuned on a GPU yet.
+_BLOCK_M_MAX, _BLOCK_N, _BLOCK_K = 64, 64, 64
+
+
+def quant_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + b over quantized weights, in Triton (CUDA, or CPU under the interpreter)."""
+    check("quant_linear", x, *(() if bias is None else (bias,)))
+    k, n = qw.in_features, qw.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weights take {k}")
+    if qw.qweight.device != x.device or qw.qweight.dtype != torch.uint8 or qw.qweight.stride(-1) != 1:
+        raise ValueError("quant_linear: the quantized weights must be contiguous uint8 on x's device")
+    shape = x.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        block_m = min(_BLOCK_M_MAX, max(16, next_power_of_2(rows)))
+        grid = (triton.cdiv(n, _BLOCK_N), triton.cdiv(rows, block_m))
+        _quant_linear_kernel[grid](
+            x2, qw.qweight, qw.scales, qw.mins, bias if bias is not None else x2, out,
+            rows, n, k, x2.stride(0), qw.qweight.stride(0), qw.scales.stride(0), out.stride(0),
+            BITS=qw.bits, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
+            BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        )
+    return out.view(*shape[:-1], n)
+
+
 class QuantLinear:
     """y = x @ W.T + b over quantized weights; holds only the quantized form."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, use_triton: bool = True):
         self.qw = qw
         self.bias = bias
         self.out_features, self.in_features = qw.out_features, qw.in_features
         self.module = cpu_ext.load() if qw.qweight.device.type == "cpu" else None
+        # On CUDA the Triton kernel reads the quantized weights as they are; without Triton
+        # each call dequantizes a copy for cuBLAS.
+        self.triton = use_triton and qw.qweight.is_cuda and _triton.available()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return quant_linear_triton(x, self.qw, self.bias)
         rows = x.numel() // self.in_features
         if self.module is not None and rows <= KERNEL_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)

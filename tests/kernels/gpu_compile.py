@@ -30,10 +30,12 @@ KERNEL_MODULES = (
     "kernels.kv_cache",
     "kernels.paged_decode",
     "kernels.paged_prefill",
+    "kernels.quant",
 )
 # H100/H200 (sm_90) and A100 (sm_80), the GPUs a lent machine is likely to have.
 TARGETS = ((90, "sm_90"), (80, "sm_80"))
-_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32", torch.int64: "*i64"}
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32", torch.int64: "*i64",
+                  torch.uint8: "*u8"}
 
 
 def kernels() -> dict[str, object]:

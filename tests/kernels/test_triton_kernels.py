@@ -32,6 +32,7 @@ from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.paged_decode import num_splits_for, paged_decode_ref, paged_decode_triton
 from kernels.paged_prefill import paged_prefill_triton
 from kernels.rmsnorm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.quant import dequantize, quant_linear_triton, quantize
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from tests.kernels.gpu_compile import compile_launches, kernels as all_kernels, record_launches
 from tests.kernels.test_cpu_kernels import (
@@ -407,6 +408,36 @@ def test_engine_greedy_output_is_identical_with_triton_kernels():
     assert triton_tokens == reference
 
 
+def quant_inputs(rows: int, n: int, k: int, bits: int, dtype: torch.dtype, seed: int):
+    g = gen(seed)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    return torch.randn(rows, k, generator=g).to(dtype), quantize(weight, bits), torch.randn(n, generator=g).to(dtype)
+
+
+# rows 1 (a decode), 7 and 33 (tiles of 16 and 64 rows, partly masked); 100 outputs and 96
+# inputs leave the last output tile and the last k step partly empty.
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_reads_the_quantized_weights_as_their_dequantized_copy(bits, rows, dtype):
+    x, qw, bias = quant_inputs(rows, 100, 96, bits, dtype, seed=rows * bits)
+    got = quant_linear_triton(x, qw, bias)
+    # What the CPU's prefill path computes: the dequantized weights in x's dtype, one GEMM.
+    want = torch.nn.functional.linear(x.float(), dequantize(qw, dtype).float(), bias.float())
+    assert got.shape == (rows, 100) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want, atol=tolerance, rtol=tolerance), (got.float() - want).abs().max()
+    # Without a bias, and as a batch of rows of rows.
+    flat = quant_linear_triton(x.view(1, rows, 96), qw)
+    assert torch.allclose(flat.view(rows, 100).float(), want - bias.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_quant_linear_refuses_weights_of_another_width():
+    x, qw, _ = quant_inputs(2, 32, 64, 4, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="the weights take 64"):
+        quant_linear_triton(x[:, :32], qw)
+
+
 def test_kernels_import_and_refuse_triton_clearly_where_it_is_not_installed():
     # The CPU install has no Triton: `kernels` must import, use its references and compiled
     # CPU kernels, and the choice triton must say why it cannot run.
@@ -439,6 +470,9 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
             rms_norm_triton(x, weight, 1e-5)
             apply_rotary_triton(q, *rope(q.shape[0], 64, seed=4))
             silu_and_mul_triton(torch.randn(2, 64).to(dtype))
+            for bits in (8, 4):
+                x, qw, bias = quant_inputs(3, 64, 64, bits, dtype, seed=5)
+                quant_linear_triton(x, qw, bias)
     assert {launch["kernel"] for launch in launches.values()} == set(all_kernels())
     assert compile_launches(list(launches.values())) == []
 

@@ -202,7 +202,7 @@ class LlamaModel(torch.nn.Module):
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, **options) -> Linear | QuantLinear:
             if bits is None:
                 return Linear(weight, bias, kernels_choice=kernels_choice, **options)
-            return QuantLinear(quant.quantize(weight, bits), bias)
+            return QuantLinear(quant.quantize(weight, bits), bias, use_triton=kernels_choice != "reference")
 
         def gate_up(weight: torch.Tensor) -> GateUp | QuantGateUp:
             if bits is None:
