@@ -33,7 +33,7 @@ UNREACHABLE_REDIS_URL = "redis://127.0.0.1:1/0"
 # in-process Django or a tiny random-weight engine stay fast.
 SLOW_FIXTURES = frozenset({
     "live",          # tests/serving/conftest.py: daphne with the real engine
-    "hostile_live",  # below: the same, for tests/security/ and tests/reliability/
+    "hostile_live",  # below: the same, for tests/security/, tests/reliability/ and test_nginx.py
     "stack",         # tests/batches/conftest.py (daphne + Celery workers), test_broker_restart.py (a worker)
     "platform",      # tests/console/test_browser.py: daphne for the browser (and `browser`, `page` on it)
     "smollm",        # tests/engine/conftest.py: the real weights (and `make_engine`, `chat_prompt_ids`)

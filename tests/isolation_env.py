@@ -1,5 +1,6 @@
-"""Tiers, tenants and settings of the one live platform that tests/security/ and
-tests/reliability/ share (the `hostile_live` fixture in tests/conftest.py).
+"""Tiers, tenants and settings of the one live platform that tests/security/,
+tests/reliability/ and tests/cluster/test_nginx.py share (the `hostile_live` fixture in
+tests/conftest.py).
 
 Each test module uses its own tenants, so one module's limits, leases and budgets never
 leak into another's assertions. Keep every entry's comment naming the module that uses it.
@@ -87,6 +88,8 @@ TENANTS: dict[str, str] = {
     "cache-sharing-b": "cache-sharing",
     # tests/reliability/test_stalled_readers.py
     "stall": "stall-long",
+    # tests/cluster/test_nginx.py: nginx in front of this server
+    "proxied": "hostile-p1",
 }
 
 # Settings of the live server (environment variables).

@@ -1,5 +1,8 @@
 """deploy/nginx.conf in front of a live replica, with real nginx: what production relies on.
 
+The replica is the live server tests/security/ and tests/reliability/ share (`hostile_live`,
+its tenant "proxied"): a server of its own cost this module ~20 s of start-up on 2 cores.
+
 Streams are not buffered (the first token reaches the client while the replica still
 generates), WebSockets upgrade, the client's address arrives as X-Forwarded-For, and a
 replica that refuses connections is skipped: the upstream list holds the live replica and a
@@ -20,8 +23,7 @@ import pytest
 import requests
 
 from tests.conftest import free_port
-from tests.isolation_env import BIG
-from tests.live import LiveServer, start_live_server
+from tests.live import LiveServer
 from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
 from tests.wsclient import bearer, connect, run, start, until_end
 
@@ -36,12 +38,11 @@ class Proxy:
 
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory: pytest.TempPathFactory):
+def proxy(tmp_path_factory: pytest.TempPathFactory, hostile_live: LiveServer):
     if not os.path.exists(NGINX):
         pytest.fail("tests/cluster needs Debian's nginx: apt-get install nginx-light (make test installs it as root)")
     tmp = tmp_path_factory.mktemp("nginx")
-    (tmp / "replica").mkdir()
-    server, stop_server = start_live_server(tmp / "replica", {"proxied": {"lane": 1, **BIG}}, {"proxied": "proxied"})
+    server = hostile_live
     run_dir = tmp / "run"
     run_dir.mkdir()
     port, dead = free_port(), free_port()
@@ -71,7 +72,6 @@ def proxy(tmp_path_factory: pytest.TempPathFactory):
             nginx.wait(timeout=10)
         except subprocess.TimeoutExpired:
             nginx.kill()
-        stop_server()
 
 
 def test_a_stream_through_nginx_arrives_token_by_token(proxy: Proxy):
