@@ -136,12 +136,16 @@ CHANNEL_LAYERS = {
 # How long a concurrent-stream lease lives without renewal. A process that dies while
 # streaming stops renewing, so its slot comes back after at most this long.
 STREAM_LEASE_TTL_S = env.float("STREAM_LEASE_TTL_S", default=30.0)
-# Admission's deadline on each Redis call (local Redis answers in ~0.2 ms). One that misses
-# it makes this process decide limits alone until Redis answers a write (tenants.fallback).
-LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.05)
 # The part of each limit one process grants alone while Redis is away: 1 for one web
 # process, 1/N for N replicas; 0 refuses with 503 instead (fail closed).
 LIMITS_FALLBACK_SHARE = env.float("LIMITS_FALLBACK_SHARE", default=1.0)
+# Admission's deadline on each Redis call (local Redis answers in ~0.2 ms). One that misses
+# it makes this process decide limits alone until Redis answers a write (tenants.fallback);
+# the deadline is what a write pause adds to a first token. A single process alone decides
+# as Redis would, so a false trip (a busy box, not Redis) costs nothing: 0.05 s. A replica
+# alone grants 1/N of a slot limit and a false trip can refuse: 0.1 s, where a loaded 2-core
+# box tripped none in a run of the replica-kill test (12 at 0.05 s).
+LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.05 if LIMITS_FALLBACK_SHARE >= 1 else 0.1)
 
 # --- Celery (see the pitfalls in docs/design.md) ------------------------------------------
 

@@ -53,11 +53,7 @@ def main() -> None:
         sys.exit(f"REPLICAS must be at least 1, not {replicas}")
     ports = [free_port() for _ in range(replicas)]
     env["BATCH_ENGINE_URL"] = f"http://127.0.0.1:{env['PORT']}"  # through nginx, like any client
-    env.setdefault("LIMITS_FALLBACK_SHARE", str(1 / replicas))
-    # A replica deciding alone grants 1/N of each limit, so a false trip of its breaker (a
-    # deadline missed on a busy box) can refuse: twice the single process's deadline
-    # (docs/design.md#limits-and-billing).
-    env.setdefault("LIMITS_REDIS_TIMEOUT_S", "0.1")
+    env.setdefault("LIMITS_FALLBACK_SHARE", str(1 / replicas))  # and so LIMITS_REDIS_TIMEOUT_S 0.1
     nginx = ensure_nginx()
     (run_dir / "nginx").mkdir(exist_ok=True)
     conf = subprocess.run(
