@@ -14,8 +14,13 @@ urlpatterns = [
     path("tenants/<int:pk>/keys/", views.issue_key, name="issue-key"),
     path("tenants/<int:pk>/keys/<int:key_pk>/revoke/", views.revoke_key, name="revoke-key"),
     path("tenants/<int:pk>/tier/", views.change_tier, name="change-tier"),
+    path("tenants/<int:pk>/active/", views.set_active, name="set-active"),
     path("batches/", views.batches, name="batches"),
+    path("batches/<str:batch_id>/", views.batch_detail, name="batch"),
+    path("batches/<str:batch_id>/files/<str:kind>/", views.batch_file, name="batch-file"),
     path("batches/<str:batch_id>/cancel/", views.cancel_batch, name="cancel-batch"),
+    path("workers/", views.workers, name="workers"),
+    path("requests/", views.requests_tail, name="requests"),
     path("playground/", views.playground, name="playground"),
     path("audit/", views.audit, name="audit"),
 ]
