@@ -286,6 +286,21 @@ def test_the_playground_streams_with_its_settings_and_shows_a_refusal_as_an_erro
     expect(page.locator(".reply-stats")).to_have_count(1)
     shot(page, "playground-error")
 
+    # The response format goes with the request; a request the network drops is an error too.
+    # (Aborted in the browser: running structured output here would add ~20 s on 2 cores.)
+    page.select_option("#response-format", "json_schema")
+    expect(page.locator("#json-schema")).to_be_visible()
+    page.route("**/v1/chat/completions", lambda route: route.abort("connectionreset"))
+    page.fill("#max-tokens", "24")
+    page.fill("#prompt", "Answer in one word: what colour is the sky?")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    assert sent.value.post_data_json["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "playground", "schema": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    expect(page.locator("#transcript [role=alert]").last).to_have_text(re.compile(r"^Error: the request failed \(.+\)$"))
+    expect(page.locator("#finish")).to_have_text("error")
+    page.unroute("**/v1/chat/completions")
+
 
 def run_requests(server: LiveServer, n: int, max_tokens: int) -> threading.Thread:
     """`n` chat requests of tenant `load` at once, in the background."""
