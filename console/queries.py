@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from batches.models import Batch, BatchItem
 from tenants import quota
-from tenants.models import ApiKey, Lane, Tenant, UsageRecord
+from tenants.models import ApiKey, Lane, PromptCapture, Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +216,13 @@ class TailFilter:
 
 def request_tail(f: TailFilter) -> list[UsageRecord]:
     """The newest requests across tenants from their usage rows (every request leaves one,
-    aborted ones too): one query, the tenant and key joined. No prompt text: the rows have none."""
+    aborted ones too): one query, the tenant and key joined."""
+    # `captured`: the prompt, where the tenant's debug capture (off by default) stored one.
+    captured = PromptCapture.objects.filter(tenant=OuterRef("tenant"), request_id=OuterRef("request_id")).values("prompt")
     rows = UsageRecord.objects.select_related("tenant", "api_key").only(
         "created", "tenant__name", "api_key__prefix", "endpoint", "lane", "closed", "finish_reason", "prompt_tokens",
-        "cached_tokens", "completion_tokens", "ttft_ms", "latency_ms", "model", "request_id", "batch")
+        "cached_tokens", "completion_tokens", "ttft_ms", "latency_ms", "model", "request_id", "batch",
+    ).annotate(captured=Subquery(captured[:1]))
     if f.tenant:
         rows = rows.filter(tenant__name__icontains=f.tenant)
     if f.endpoint:

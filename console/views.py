@@ -138,15 +138,25 @@ def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
     return redirect("console:tenant", pk=pk)
 
 
+# A tenant's on/off switches: the action that writes each (audited), and what the operator is told.
+SWITCHES = {
+    "active": (actions.set_active, lambda name, on: f"{name} is {'active again' if on else 'deactivated: its keys are refused'}."),
+    "debug-capture": (actions.set_debug_capture, lambda name, on: f"Debug capture for {name} is "
+                      f"{'on: its prompts are stored' if on else 'off; its captured prompts are deleted'}."),
+}
+
+
 @staff_member_required
 @requires(post="tenants.change_tenant")
 @require_POST
-def set_active(request: HttpRequest, pk: int) -> HttpResponse:
-    """Deactivate (its keys are refused at once) or reactivate a tenant."""
+def switch_tenant(request: HttpRequest, pk: int, switch: str) -> HttpResponse:
+    """Turn one of the tenant's switches on or off (POST `on` = 1 or 0): deactivate or
+    reactivate it, or start or stop capturing its prompts (stopping deletes them)."""
     tenant = get_object_or_404(Tenant, pk=pk)
-    active = request.POST.get("active") == "1"
-    actions.set_active(tenant, active, actor=request.user.get_username())
-    messages.success(request, f"{tenant.name} is {'active again' if active else 'deactivated: its keys are refused'}.")
+    write, told = SWITCHES[switch]
+    on = request.POST.get("on") == "1"
+    write(tenant, on, actor=request.user.get_username())
+    messages.success(request, told(tenant.name, on))
     return redirect("console:tenant", pk=pk)
 
 

@@ -475,7 +475,26 @@ def test_the_requests_tail_lists_requests_live_and_filters_them(page, platform: 
     run_requests(platform.server, n=1, max_tokens=4).join(timeout=TIMEOUT_MS / 1000)
     expect(page.locator("#requests tbody tr")).to_have_count(before + 1)
     expect(page.locator("#requests tbody tr").first.locator(".status")).to_have_text(re.compile("stop|length"))
+    expect(page.locator("#requests tbody tr").first.locator(".captured")).to_have_text("–")  # off by default
+
+    # Debug capture on for tenant load: its next request's messages show in the tail; off again, they are gone.
+    page.goto(f"/console/tenants/{platform.server.tenant_ids['load']}/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#debug-capture button")
+    expect(page.locator("#debug-capture-state")).to_have_text("on")
+    page.goto("/console/requests/?tenant=load")
+    run_requests(platform.server, n=1, max_tokens=4).join(timeout=TIMEOUT_MS / 1000)
+    newest = page.locator("#requests tbody tr").first
+    expect(newest.locator(".captured")).to_contain_text("prompt")
+    newest.locator(".captured summary").click()
+    expect(newest.locator(".captured pre")).to_contain_text('"content": "List 5 colours, one per line."')
     readme_shot(page, "requests")
+    page.goto(f"/console/tenants/{platform.server.tenant_ids['load']}/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#debug-capture button")
+    expect(page.locator("#debug-capture-state")).to_have_text("off")
+    page.goto("/console/requests/?tenant=load")
+    assert "List 5 colours" not in page.content()
 
 
 UNLABELLED = """() => [...document.querySelectorAll("input:not([type=hidden]), select, textarea, button")]

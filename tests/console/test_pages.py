@@ -97,12 +97,12 @@ def test_deactivating_a_tenant_refuses_its_keys_and_is_audited_with_the_operator
     page = admin_client.get(reverse("console:tenant", kwargs={"pk": tenant.pk})).content.decode()
     assert 'data-confirm="Deactivate acme? Its keys are refused at once."' in page
 
-    admin_client.post(url, {"active": "0"})
+    admin_client.post(url, {"on": "0"})
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {secret}").status_code == 401
     entry = AuditEntry.objects.filter(target=f"tenant:{tenant.pk}").first()
     assert (entry.action, entry.actor) == ("tenant.deactivate", "admin")
 
-    admin_client.post(url, {"active": "1"})
+    admin_client.post(url, {"on": "1"})
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {secret}").status_code == 200
     assert AuditEntry.objects.filter(target=f"tenant:{tenant.pk}").first().action == "tenant.reactivate"
 
@@ -114,8 +114,9 @@ def test_deactivating_needs_the_change_permission(client, django_user_model, ten
     client.force_login(viewer)
     page = client.get(reverse("console:tenant", kwargs={"pk": tenant.pk})).content.decode()
     assert 'id="set-active"' not in page
-    assert client.post(reverse("console:set-active", kwargs={"pk": tenant.pk}), {"active": "0"}).status_code == 403
-    assert Tenant.objects.get(pk=tenant.pk).is_active
+    for name, on in (("set-active", "0"), ("debug-capture", "1")):
+        assert client.post(reverse(f"console:{name}", kwargs={"pk": tenant.pk}), {"on": on}).status_code == 403
+    assert Tenant.objects.get(pk=tenant.pk).is_active and not Tenant.objects.get(pk=tenant.pk).debug_capture
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -215,10 +216,38 @@ def test_the_requests_tail_lists_the_newest_requests_across_tenants_filtered(adm
     assert [re.search(r'data-request="([^"]+)"', r).group(1) for r in rows] == ["req-globex", "req-acme"]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", rows[1], re.S)
     assert [text(c) for c in cells[1:]] == ["acme", f"sk-{key.prefix}_…", "/v1/chat/completions", "P1", "stop",
-                                            "12", "30", "41 ms", "380 ms"]
+                                            "12", "30", "41 ms", "380 ms", "–"]
     only = admin_client.get(reverse("console:requests"), {"tenant": "glob", "rows": "1"}).content.decode()
     assert "req-globex" in only and "req-acme" not in only and "<html" not in only
     by_key = admin_client.get(reverse("console:requests"), {"key": f"sk-{key.prefix}"}).content.decode()
     assert [re.search(r'data-request="([^"]+)"', r).group(1) for r in rows_of(by_key, "requests")] == ["req-acme"]
     aborted = admin_client.get(reverse("console:requests"), {"status": "abort", "lane": "2"}).content.decode()
     assert [re.search(r'data-request="([^"]+)"', r).group(1) for r in rows_of(aborted, "requests")] == ["req-globex"]
+
+
+def test_debug_capture_is_off_by_default_stores_prompts_only_while_on_and_deletes_them_when_turned_off(
+        admin_client, tenant, tier):
+    from tenants.models import PromptCapture
+
+    globex = actions.create_tenant("globex", tier)
+    assert not tenant.debug_capture
+    actions.capture_prompt(tenant.pk, "req-before", '[{"role": "user", "content": "not stored"}]')
+    assert not PromptCapture.objects.exists()
+
+    page = admin_client.get(reverse("console:tenant", kwargs={"pk": tenant.pk})).content.decode()
+    assert 'data-confirm="Capture acme\'s prompts? Each request' in page
+    admin_client.post(reverse("console:debug-capture", kwargs={"pk": tenant.pk}), {"on": "1"})
+    assert AuditEntry.objects.filter(target=f"tenant:{tenant.pk}").first().action == "tenant.debug_capture_on"
+    for owner, request_id in ((tenant, "req-acme"), (globex, "req-globex")):
+        actions.capture_prompt(owner.pk, request_id, '[{"role": "user", "content": "the secret recipe"}]')
+        actions.record_usage(owner, lane=1, prompt_tokens=5, completion_tokens=1, request_id=request_id,
+                             endpoint="/v1/chat/completions", finish_reason="stop")
+    tail = admin_client.get(reverse("console:requests")).content.decode()
+    rows = {re.search(r'data-request="([^"]+)"', r).group(1): r for r in rows_of(tail, "requests")}
+    assert "the secret recipe" in rows["req-acme"] and "the secret recipe" not in rows["req-globex"]
+
+    admin_client.post(reverse("console:debug-capture", kwargs={"pk": tenant.pk}), {"on": "0"})
+    entry = AuditEntry.objects.filter(target=f"tenant:{tenant.pk}").first()
+    assert (entry.action, entry.after) == ("tenant.debug_capture_off", {"debug_capture": False, "captures_deleted": 1})
+    assert not PromptCapture.objects.exists()
+    assert "the secret recipe" not in admin_client.get(reverse("console:requests")).content.decode()
