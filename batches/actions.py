@@ -17,6 +17,7 @@ so every item ends with exactly one result.
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import secrets
@@ -403,6 +404,9 @@ def _result_file(batch: Batch, kind: str, lines: list[str], now: datetime) -> Fi
 # --- the sweep ----------------------------------------------------------------------------
 
 
+LAST_SWEEP_KEY = "batches:last-sweep"  # the console's workers panel shows it
+
+
 def sweep() -> dict[str, int]:
     """One pass over unfinished batches; safe to run anywhere, any number of times at once."""
     now = _now()
@@ -421,7 +425,17 @@ def sweep() -> dict[str, int]:
         if reason:  # a queued item that slipped past the stop (handed back as it happened)
             _stop_queued(batch_id, reason, now)
         finalize(batch_id)
+    _record_sweep(now, report)
     return report
+
+
+def _record_sweep(now: datetime, report: dict[str, int]) -> None:
+    """Only a pass that reached Redis is recorded (there), so with Redis away the panel's last
+    sweep grows old rather than each pass waiting on a Redis that is gone once more."""
+    try:
+        shared_redis.client().set(LAST_SWEEP_KEY, json.dumps({"at": now.timestamp(), **report}))
+    except Exception as exc:
+        log.warning("sweep: could not record the pass: %s", exc)
 
 
 def _active_batch_ids() -> list[str]:

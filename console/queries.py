@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import redis
-from django.db.models import Count, F, OuterRef, QuerySet, Subquery, Sum
-from django.db.models.functions import TruncDate
+from django.core.paginator import Page, Paginator
+from django.db.models import Count, F, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem
 from tenants import quota
-from tenants.models import ApiKey, Lane, Tenant, UsageRecord
+from tenants.models import ApiKey, Lane, PromptCapture, Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,28 @@ def tokens_this_month(now: datetime | None = None) -> dict[int, int]:
     rows = (UsageRecord.objects.filter(created__gte=month_start(now or timezone.now()))
             .values("tenant_id").annotate(total=Sum(F("prompt_tokens") + F("completion_tokens"))))
     return {row["tenant_id"]: int(row["total"] or 0) for row in rows}
+
+
+TENANT_SORTS = {"name": ("name",), "usage": ("-month_tokens", "name"), "tier": ("tier__lane", "tier__name", "name"),
+                "created": ("-created", "name")}
+TENANTS_PER_PAGE = 50
+
+
+def tenant_page(search: str, sort: str, number: str | int, now: datetime | None = None) -> Page:
+    """One page of tenants whose name or tier matches `search`, each with this month's tokens
+    (`month_tokens`), sorted by TENANT_SORTS[sort]: two queries (the count and the page),
+    however many tenants, because the usage is a subquery of the page's query."""
+    month = (UsageRecord.objects.filter(tenant=OuterRef("pk"), created__gte=month_start(now or timezone.now()))
+             .values("tenant").annotate(total=Sum(F("prompt_tokens") + F("completion_tokens"))).values("total"))
+    tenants = Tenant.objects.select_related("tier").annotate(month_tokens=Coalesce(Subquery(month), 0))
+    if search:
+        tenants = tenants.filter(Q(name__icontains=search) | Q(tier__name__icontains=search))
+    tenants = tenants.order_by(*TENANT_SORTS.get(sort, TENANT_SORTS["name"]))
+    return Paginator(tenants, TENANTS_PER_PAGE).get_page(number)
+
+
+def budget_pct(used: int, budget: int) -> int:
+    return min(100, round(100 * used / budget)) if budget else 100
 
 
 @dataclass(frozen=True)
@@ -68,14 +91,18 @@ def bars(points: list[tuple[str, int]], width: float = 600, height: float = 120)
             for i, (label, value) in enumerate(points)]
 
 
-def usage_by_day(tenant: Tenant, days: int = 30, now: datetime | None = None) -> list[tuple[str, int]]:
-    today = (now or timezone.now()).date()
+def usage_by_day(tenant: Tenant, days: int = 30, now: datetime | None = None) -> dict[str, list[int]]:
+    """The tenant's tokens per UTC day over the last `days`, as the chart's columns: `t`, each
+    day's start in Unix seconds, and `tokens`."""
+    today = (now or timezone.now()).astimezone(dt_timezone.utc).date()
     first = today - timedelta(days=days - 1)
     rows = (UsageRecord.objects.filter(tenant=tenant, created__date__gte=first)
-            .annotate(day=TruncDate("created")).values("day")
+            .annotate(day=TruncDate("created", tzinfo=dt_timezone.utc)).values("day")
             .annotate(total=Sum(F("prompt_tokens") + F("completion_tokens"))))
     totals = {row["day"]: int(row["total"] or 0) for row in rows}
-    return [(f"{d:%m-%d}", totals.get(d, 0)) for d in (first + timedelta(days=i) for i in range(days))]
+    dates = [first + timedelta(days=i) for i in range(days)]
+    return {"t": [int(datetime(d.year, d.month, d.day, tzinfo=dt_timezone.utc).timestamp()) for d in dates],
+            "tokens": [totals.get(d, 0) for d in dates]}
 
 
 def usage_by_lane(tenant: Tenant, now: datetime | None = None) -> list[tuple[str, int]]:
@@ -103,18 +130,112 @@ def item_counts(batch_ids: list[str]) -> dict[str, dict[str, int]]:
     return counts
 
 
+# The segments of a batch's progress bar, in the order drawn: what ended and how, then what runs.
+PROGRESS_STATES = (BatchItem.State.SUCCEEDED, BatchItem.State.FAILED, BatchItem.State.CANCELLED,
+                   BatchItem.State.EXPIRED, BatchItem.State.RUNNING)
+
+
+@dataclass(frozen=True)
+class Progress:
+    total: int
+    done: int  # items in a final state, however they ended
+    segments: list[tuple[str, int, float]]  # (state, items, percent of the total)
+
+    @property
+    def label(self) -> str:
+        parts = [f"{n} {state}" for state, n, _ in self.segments if n]
+        return f"{', '.join(parts) or 'nothing finished'} of {self.total}"
+
+
+def progress(by_state: dict[str, int]) -> Progress:
+    total = sum(by_state.values())
+    done = sum(n for state, n in by_state.items() if state in BatchItem.FINAL)
+    return Progress(total, done, [(state.value, by_state.get(state, 0), 100 * by_state.get(state, 0) / (total or 1))
+                                  for state in PROGRESS_STATES])
+
+
 def batch_rows(limit: int = 50) -> list[dict]:
     page = list(Batch.objects.select_related("tenant")[:limit])
     counts = item_counts([b.id for b in page])
+    return [{"batch": batch, "by_state": [(s.value, counts[batch.id].get(s.value, 0)) for s in BatchItem.State],
+             "progress": progress(counts[batch.id])} for batch in page]
+
+
+def cancellable(batch: Batch) -> bool:
+    return batch.status in (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS)
+
+
+@dataclass(frozen=True)
+class Pace:
+    items_per_min: float
+    tokens_per_s: float
+    eta: timedelta | None  # None: nothing has finished yet, so no rate to go by
+
+
+def pace(batch: Batch, done: int, total: int, tokens: int, now: datetime | None = None) -> Pace | None:
+    """How fast a running batch goes since it started, and when it ends at that rate; None
+    once it stopped running (its rate is history, the timestamps say it)."""
+    if batch.status != Batch.Status.IN_PROGRESS or batch.in_progress_at is None:
+        return None
+    elapsed = max(1.0, ((now or timezone.now()) - batch.in_progress_at).total_seconds())
+    per_s = done / elapsed
+    eta = timedelta(seconds=round((total - done) / per_s)) if per_s > 0 else None
+    return Pace(60 * per_s, tokens / elapsed, eta)
+
+
+FAILED_SHOWN = 50
+
+
+def failed_items(batch: Batch, limit: int = FAILED_SHOWN) -> list[dict]:
+    """The first failed items by line, each with the error its output line carries: the
+    endpoint's error body when it answered, else the item's own (transport, attempts)."""
     rows = []
-    for batch in page:
-        by_state = counts[batch.id]
-        total = sum(by_state.values())
-        done = sum(n for state, n in by_state.items() if state in BatchItem.FINAL)
-        rows.append({"batch": batch, "by_state": [(s.value, by_state.get(s.value, 0)) for s in BatchItem.State],
-                     "total": total, "done": done, "cancellable": batch.status in (Batch.Status.VALIDATING,
-                                                                                  Batch.Status.IN_PROGRESS)})
+    for line, custom_id, status_code, response, error in (
+            batch.items.filter(state=BatchItem.State.FAILED).order_by("line")
+            .values_list("line", "custom_id", "status_code", "response", "error")[:limit]):
+        body = (response or {}).get("error") if isinstance(response, dict) else None
+        detail = body or error or {}
+        rows.append({"line": line, "custom_id": custom_id, "status_code": status_code,
+                     "code": detail.get("code") or detail.get("type") or "", "message": detail.get("message", "")})
     return rows
+
+
+TAIL_MAX = 500
+TAIL_DEFAULT = 100
+
+
+@dataclass(frozen=True)
+class TailFilter:
+    tenant: str = ""  # a substring of the tenant's name
+    endpoint: str = ""  # a substring of the API path ("batch" for batch items)
+    lane: int | None = None
+    status: str = ""  # "open" (still running), or a finish reason: stop, length, abort, error
+    key_prefix: str = ""
+    limit: int = TAIL_DEFAULT
+
+
+def request_tail(f: TailFilter) -> list[UsageRecord]:
+    """The newest requests across tenants from their usage rows (every request leaves one,
+    aborted ones too): one query, the tenant and key joined."""
+    # `captured`: the prompt, where the tenant's debug capture (off by default) stored one.
+    captured = PromptCapture.objects.filter(tenant=OuterRef("tenant"), request_id=OuterRef("request_id")).values("prompt")
+    rows = UsageRecord.objects.select_related("tenant", "api_key").only(
+        "created", "tenant__name", "api_key__prefix", "endpoint", "lane", "closed", "finish_reason", "prompt_tokens",
+        "cached_tokens", "completion_tokens", "ttft_ms", "latency_ms", "model", "request_id", "batch",
+    ).annotate(captured=Subquery(captured[:1]))
+    if f.tenant:
+        rows = rows.filter(tenant__name__icontains=f.tenant)
+    if f.endpoint:
+        rows = rows.filter(endpoint__icontains=f.endpoint)
+    if f.lane is not None:
+        rows = rows.filter(lane=f.lane)
+    if f.status == "open":
+        rows = rows.filter(closed=False)
+    elif f.status:
+        rows = rows.filter(closed=True, finish_reason__contains=f.status)
+    if f.key_prefix:
+        rows = rows.filter(api_key__prefix__startswith=f.key_prefix.removeprefix("sk-").rstrip("_…"))
+    return list(rows.order_by("-created", "-pk")[:max(1, min(f.limit, TAIL_MAX))])
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:

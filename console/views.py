@@ -15,18 +15,20 @@ from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.core.exceptions import PermissionDenied
 from django.db import IntegrityError, transaction
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
+from django.utils.http import content_disposition_header
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from batches import actions as batch_actions
-from batches.models import Batch
+from batches.models import Batch, BatchItem, File
 from console import queries
+from console import workers as console_workers
 from tenants import actions
-from tenants.models import ApiKey, AuditEntry, QuotaTier, Tenant
+from tenants.models import ApiKey, AuditEntry, Lane, QuotaTier, Tenant
 
 PLAYGROUND_KEY_TTL = timedelta(hours=1)
 
@@ -70,24 +72,24 @@ def tenants(request: HttpRequest) -> HttpResponse:
             return redirect("console:tenants")
         messages.success(request, f"Tenant {tenant.name} created.")
         return redirect("console:tenant", pk=tenant.pk)
-    used = queries.tokens_this_month()
-    rows = [{"tenant": t, "used": used.get(t.pk, 0), "limits": queries.limits_state(t),
-             "used_pct": min(100, round(100 * used.get(t.pk, 0) / t.tier.monthly_token_budget))
-             if t.tier.monthly_token_budget else 100}
-            for t in Tenant.objects.select_related("tier")]
-    return render(request, "console/tenants.html",
-                  {"section": "tenants", "rows": rows, "tiers": QuotaTier.objects.all()})
+    search = request.GET.get("q", "").strip()[:128]
+    sort = request.GET.get("sort", "name") if request.GET.get("sort") in queries.TENANT_SORTS else "name"
+    page = queries.tenant_page(search, sort, request.GET.get("page", 1))
+    rows = [{"tenant": t, "used": t.month_tokens, "limits": queries.limits_state(t),
+             "used_pct": queries.budget_pct(t.month_tokens, t.tier.monthly_token_budget)} for t in page]
+    return render(request, "console/tenants.html", {
+        "section": "tenants", "rows": rows, "page": page, "q": search, "sort": sort,
+        "sorts": queries.TENANT_SORTS, "tiers": QuotaTier.objects.all()})
 
 
 def _tenant_page(request: HttpRequest, tenant: Tenant, issued: actions.IssuedKey | None = None) -> HttpResponse:
-    by_day = queries.usage_by_day(tenant)
     by_lane = queries.usage_by_lane(tenant)
     response = render(request, "console/tenant_detail.html", {
         "section": "tenants",
         "tenant": tenant,
         "used": queries.tokens_this_month().get(tenant.pk, 0),
         "limits": queries.limits_state(tenant),
-        "day_bars": queries.bars(by_day),
+        "by_day": queries.usage_by_day(tenant),
         "lane_bars": queries.bars(by_lane, width=240),
         "keys": queries.keys_with_usage(tenant),
         "tiers": QuotaTier.objects.all(),
@@ -136,13 +138,119 @@ def change_tier(request: HttpRequest, pk: int) -> HttpResponse:
     return redirect("console:tenant", pk=pk)
 
 
+# A tenant's on/off switches: the action that writes each (audited), and what the operator is told.
+SWITCHES = {
+    "active": (actions.set_active, lambda name, on: f"{name} is {'active again' if on else 'deactivated: its keys are refused'}."),
+    "debug-capture": (actions.set_debug_capture, lambda name, on: f"Debug capture for {name} is "
+                      f"{'on: its prompts are stored' if on else 'off; its captured prompts are deleted'}."),
+}
+
+
+@staff_member_required
+@requires(post="tenants.change_tenant")
+@require_POST
+def switch_tenant(request: HttpRequest, pk: int, switch: str) -> HttpResponse:
+    """Turn one of the tenant's switches on or off (POST `on` = 1 or 0): deactivate or
+    reactivate it, or start or stop capturing its prompts (stopping deletes them)."""
+    tenant = get_object_or_404(Tenant, pk=pk)
+    write, told = SWITCHES[switch]
+    on = request.POST.get("on") == "1"
+    write(tenant, on, actor=request.user.get_username())
+    messages.success(request, told(tenant.name, on))
+    return redirect("console:tenant", pk=pk)
+
+
 @staff_member_required
 @requires(get="batches.view_batch")
 @require_GET
 def batches(request: HttpRequest) -> HttpResponse:
     rows = queries.batch_rows()
-    active = any(row["batch"].status in Batch.ACTIVE or row["batch"].status == Batch.Status.VALIDATING for row in rows)
+    active = any(_moving(row["batch"]) for row in rows)
     return render(request, "console/batches.html", {"section": "batches", "rows": rows, "active": active})
+
+
+def _moving(batch: Batch) -> bool:
+    """Whether the batch's page is worth reloading: its items still change state."""
+    return batch.status in Batch.ACTIVE or batch.status == Batch.Status.VALIDATING
+
+
+@staff_member_required
+@requires(get="batches.view_batch")
+@require_GET
+def batch_detail(request: HttpRequest, batch_id: str) -> HttpResponse:
+    batch = get_object_or_404(Batch.objects.select_related("tenant"), pk=batch_id)
+    counts = queries.item_counts([batch.id])[batch.id]
+    progress = queries.progress(counts)
+    usage = batch_actions.batch_usage(batch)
+    files = {kind: file for kind, file in _batch_files(batch).items() if file is not None}
+    return render(request, "console/batch_detail.html", {
+        "section": "batches", "batch": batch, "progress": progress, "usage": usage, "files": files,
+        "by_state": [(s.value, counts.get(s.value, 0)) for s in BatchItem.State],
+        "pace": queries.pace(batch, progress.done, progress.total, usage["total_tokens"]),
+        "failed": queries.failed_items(batch), "failed_shown": queries.FAILED_SHOWN,
+        "cancellable": queries.cancellable(batch), "moving": _moving(batch),
+    })
+
+
+def _batch_files(batch: Batch) -> dict[str, File | None]:
+    """The batch's input, output and error files (content deferred: the page lists them only)."""
+    ids = {"input": batch.input_file_id, "output": batch.output_file_id, "error": batch.error_file_id}
+    found = {f.pk: f for f in File.objects.filter(tenant_id=batch.tenant_id, pk__in=[i for i in ids.values() if i])
+             .defer("content")}
+    return {kind: found.get(file_id) for kind, file_id in ids.items()}
+
+
+@staff_member_required
+@requires(get="batches.view_batch")
+@require_GET
+def batch_file(request: HttpRequest, batch_id: str, kind: str) -> HttpResponse:
+    """A batch's input, output or error file as a download: the bytes GET /v1/files/{id}/content gives."""
+    batch = get_object_or_404(Batch, pk=batch_id)
+    stub = _batch_files(batch).get(kind)
+    if stub is None:
+        raise Http404(f"Batch {batch_id} has no {kind} file.")
+    file = File.objects.get(pk=stub.pk)
+    response = HttpResponse(bytes(file.content), content_type="application/jsonl")
+    response["Content-Disposition"] = content_disposition_header(True, file.filename)
+    return response
+
+
+@staff_member_required
+@requires(get="batches.view_batch")
+@require_GET
+@never_cache
+def workers(request: HttpRequest) -> HttpResponse:
+    """Celery workers online, queue depths, items running per worker, the last sweep, alerts.
+    Bounded: a broker or workers that are away cost the page about three seconds, not a hang."""
+    return render(request, "console/workers.html", {"section": "workers", "state": console_workers.read(),
+                                                    "now": timezone.now()})
+
+
+def _tail_filter(params) -> queries.TailFilter:
+    lane = params.get("lane", "")
+    try:
+        limit = int(params.get("n") or queries.TAIL_DEFAULT)
+    except ValueError:
+        limit = queries.TAIL_DEFAULT
+    return queries.TailFilter(tenant=params.get("tenant", "").strip()[:128], endpoint=params.get("endpoint", "").strip()[:64],
+                              lane=int(lane) if lane in ("0", "1", "2") else None,
+                              status=params.get("status", "").strip()[:32], key_prefix=params.get("key", "").strip()[:40],
+                              limit=limit)
+
+
+@staff_member_required
+@requires(get="tenants.view_tenant")
+@require_GET
+@never_cache
+def requests_tail(request: HttpRequest) -> HttpResponse:
+    """The newest requests across tenants; `?rows=1` renders the table body alone, which the
+    page fetches every two seconds to stay live."""
+    tail = _tail_filter(request.GET)
+    context = {"section": "requests", "rows": queries.request_tail(tail), "filter": tail, "lanes": Lane.choices,
+               "limit_max": queries.TAIL_MAX}
+    if request.GET.get("rows") == "1":
+        return render(request, "console/_request_rows.html", context)
+    return render(request, "console/requests.html", context)
 
 
 AUDIT_PAGE = 100
@@ -174,7 +282,7 @@ def audit(request: HttpRequest) -> HttpResponse:
 def cancel_batch(request: HttpRequest, batch_id: str) -> HttpResponse:
     batch = batch_actions.cancel(get_object_or_404(Batch, pk=batch_id))
     messages.success(request, f"Batch {batch.id} is {batch.status}.")
-    return redirect("console:batches")
+    return redirect("console:batch", batch_id=batch.id)
 
 
 @staff_member_required
@@ -196,4 +304,6 @@ def playground(request: HttpRequest) -> HttpResponse:
         context["issued"] = actions.issue_key(tenant, name=name, expires=timezone.now() + PLAYGROUND_KEY_TTL,
                                                actor=request.user.get_username())
         context["max_tokens"] = min(128, tenant.tier.max_tokens_per_request)
+        # The tier's lane or a lower one: the API refuses a better lane than the tier's.
+        context["lanes"] = [(value, label) for value, label in Lane.choices if value >= tenant.tier.lane]
     return render(request, "console/playground.html", context)

@@ -35,7 +35,7 @@ from inference import billing, drain, gate, prompts, streaming, tool_calls
 from inference.billing import Usage
 from inference.protocol import GenerationRequest
 from inference.streaming import Choice
-from tenants import errors
+from tenants import actions, admission, errors
 from tenants.limits import Decision
 from tenants.models import ApiKey, Tenant
 
@@ -134,6 +134,9 @@ class Generation:
             await self.holds.take_slots(request)
         engine = await streaming.ready_engine()
         self.prompt_token_ids, self.prompt_texts = await asyncio.to_thread(prompts.tokenize, request)
+        if self.tenant.debug_capture:  # off by default: then nothing of the prompt is stored
+            await admission.run(actions.capture_prompt, self.tenant.pk, self.id, prompts.as_json(request),
+                                caller=admission.tenant_caller(self.tenant.pk), what="prompt capture")
         max_tokens = prompts.max_tokens(request, tier, self.prompt_token_ids, engine.engine)
         choices = request.n * len(self.prompt_token_ids)
         prompt_tokens = sum(len(p) for p in self.prompt_token_ids)

@@ -8,6 +8,7 @@ tokens is `inference.gate`'s.
 """
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -55,6 +56,11 @@ def tokenize(request: GenerationRequest) -> tuple[list[list[int]], list[str]]:
     if any(not ids for ids in out):
         raise bad_request("A prompt encodes to no tokens.", "prompt", "empty_prompt")
     return out, texts
+
+
+def as_json(request: GenerationRequest) -> str:
+    """What a tenant's debug capture stores of a request: its messages (chat) or prompts."""
+    return json.dumps(list(request.messages) if request.kind == "chat" else list(request.prompts), ensure_ascii=False)
 
 
 def max_tokens(request: GenerationRequest, tier: QuotaTier, prompt_token_ids: list[list[int]], engine: LLMEngine) -> int:

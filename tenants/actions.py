@@ -15,7 +15,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from tenants import keys, quota
-from tenants.models import ApiKey, AuditEntry, Lane, QuotaTier, Scope, Tenant, UsageRecord
+from tenants.models import ApiKey, AuditEntry, Lane, PromptCapture, QuotaTier, Scope, Tenant, UsageRecord
 
 if TYPE_CHECKING:
     from tenants.ledger import UsageEntry
@@ -109,6 +109,29 @@ def change_tier(tenant: Tenant, tier: QuotaTier, actor: str | None = None) -> Te
 def set_active(tenant: Tenant, is_active: bool, actor: str | None = None) -> Tenant:
     """Deactivate (its keys are refused, its open sockets closed at their next re-check) or reactivate."""
     return update_tenant(tenant, name=tenant.name, tier=tenant.tier, is_active=is_active, actor=actor)
+
+
+def set_debug_capture(tenant: Tenant, on: bool, actor: str | None = None) -> Tenant:
+    """Start or stop storing the tenant's prompts (off by default). Stopping deletes what was
+    captured, in the same transaction: a capture lives only as long as the operator wants it."""
+    with transaction.atomic():
+        before = Tenant.objects.select_for_update().filter(pk=tenant.pk).values_list("debug_capture", flat=True).first()
+        tenant.debug_capture = on
+        tenant.save(update_fields=["debug_capture"])
+        deleted = 0 if on else PromptCapture.objects.filter(tenant=tenant).delete()[0]
+        _audit(actor, f"tenant.debug_capture_{'on' if on else 'off'}", f"tenant:{tenant.pk}",
+               {"debug_capture": before}, {"debug_capture": on, **({"captures_deleted": deleted} if not on else {})})
+    return tenant
+
+
+CAPTURE_MAX_CHARS = 20_000  # a prompt's JSON beyond this is cut: enough to debug, bounded per row
+
+
+def capture_prompt(tenant_id: int, request_id: str, prompt_json: str) -> None:
+    """Store a request's prompt while its tenant's capture is on (checked again here, in the
+    database, so a request admitted just after capture was turned off stores nothing)."""
+    if Tenant.objects.filter(pk=tenant_id, debug_capture=True).exists():
+        PromptCapture.objects.create(tenant_id=tenant_id, request_id=request_id[:64], prompt=prompt_json[:CAPTURE_MAX_CHARS])
 
 
 def update_tenant(tenant: Tenant, *, name: str, tier: QuotaTier, is_active: bool, actor: str | None = None) -> Tenant:

@@ -49,6 +49,10 @@ class Tenant(models.Model):
     name = models.CharField(max_length=128, unique=True)
     tier = models.ForeignKey(QuotaTier, on_delete=models.PROTECT, related_name="tenants")
     is_active = models.BooleanField(default=True, help_text="An inactive tenant's keys are refused.")
+    debug_capture = models.BooleanField(
+        default=False, editable=False,
+        help_text="Store each request's messages or prompt for debugging (the console's requests page shows them). "
+        "Off by default: nothing of a prompt is stored. Turning it off deletes what it captured.")
     created = models.DateTimeField(default=timezone.now)
 
     # DRF puts the authenticated caller in request.user and asks it this question.
@@ -158,6 +162,18 @@ class UsageRecord(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class PromptCapture(models.Model):
+    """One request's prompt, kept only while its tenant's `debug_capture` is on (tenants.actions)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="prompt_captures")
+    request_id = models.CharField(max_length=64, db_index=True)
+    created = models.DateTimeField(default=timezone.now)
+    prompt = models.TextField(help_text="The request's messages (chat) or prompts (completions) as JSON, cut short.")
+
+    class Meta:
+        ordering = ["-created"]
 
 
 class AuditEntry(models.Model):

@@ -9,6 +9,7 @@ from django.test import Client
 from django.urls import URLPattern, reverse
 from django.utils import timezone
 
+from batches.models import Batch, File
 from console.urls import urlpatterns
 from tenants import actions
 from tenants.models import ApiKey, Tenant
@@ -34,7 +35,13 @@ def tenant() -> Tenant:
 def every_console_url(tenant: Tenant) -> list[str]:
     """Each console URL pattern with its arguments filled in, so a new page cannot be missed."""
     key = actions.issue_key(tenant, name="probe").api_key
-    values = {"pk": tenant.pk, "key_pk": key.pk, "batch_id": "batch_0123456789abcdef01234567"}
+    # A finished batch's rows as they stand (no worker here to run one): its pages and its file exist.
+    output = File.objects.create(tenant=tenant, purpose=File.Purpose.BATCH_OUTPUT, filename="out.jsonl", content=b"{}\n",
+                                 bytes=3)
+    batch = Batch.objects.create(tenant=tenant, endpoint="/v1/chat/completions", input_file_id="file-none",
+                                 status=Batch.Status.COMPLETED, output_file=output,
+                                 expires_at=timezone.now() + timedelta(hours=24))
+    values = {"pk": tenant.pk, "key_pk": key.pk, "batch_id": batch.id, "kind": "output"}
     urls = []
     for pattern in urlpatterns:
         assert isinstance(pattern, URLPattern)
@@ -45,7 +52,7 @@ def every_console_url(tenant: Tenant) -> list[str]:
 
 def test_anonymous_and_non_staff_visitors_are_sent_to_the_login_on_every_page(tenant, django_user_model):
     urls = every_console_url(tenant)
-    assert len(urls) == len(urlpatterns) >= 9
+    assert len(urls) == len(urlpatterns) >= 14
     django_user_model.objects.create_user("mallory", password="pw-mallory-1")
     member = Client()
     assert member.login(username="mallory", password="pw-mallory-1")
@@ -71,7 +78,9 @@ def test_every_page_renders_for_staff(admin_client, tenant):
         response = admin_client.get(url, follow=True)
         # The write endpoints answer GET with 405; the pages render.
         assert response.status_code in (200, 405), (url, response.status_code)
-        if response.status_code == 200:
+        if response.get("Content-Disposition", "").startswith("attachment"):
+            assert response.content == b"{}\n"  # a batch's file, downloaded
+        elif response.status_code == 200:
             assert "Inference platform" in response.content.decode()
 
 
@@ -113,7 +122,7 @@ def test_tenants_are_created_and_moved_between_tiers(admin_client, tenant):
     admin_client.post(reverse("console:change-tier", kwargs={"pk": globex.pk}), {"tier": bigger.pk})
     assert Tenant.objects.get(pk=globex.pk).tier == bigger
     listing = admin_client.get(reverse("console:tenants")).content.decode()
-    assert "globex" in listing and "console-big" in listing and "/ 1000" in listing  # requests left / limit
+    assert "globex" in listing and "console-big" in listing and "/ 1k" in listing  # requests left / limit (1,000, abbreviated)
 
 
 def test_the_playground_key_is_the_operators_and_expires_within_the_hour(admin_client, admin_user, tenant):

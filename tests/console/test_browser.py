@@ -4,7 +4,8 @@ its own Redis and database, and a Celery worker for the batch test).
 Needs Debian's `chromium` at /usr/bin/chromium and the `playwright` Python package
 (requirements-dev.txt; `make test` installs both where it can). Playwright drives that
 browser; its own browser downloads are never used. Screenshots of each page land in
-tests/artifacts/console/ (the README's come from there, copied to docs/screenshots/).
+tests/artifacts/console/, and the README's (light and dark) in docs/screenshots/.
+Every page of every test is watched for requests to another origin (the `page` fixture).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = ROOT / "tests" / "artifacts" / "console"
+SCREENSHOTS = ROOT / "docs" / "screenshots"
 TIMEOUT_MS = 120_000  # a generous bound on waits for the model: the 2-core machine may be busy with other tests
 
 BIG = {"requests_per_minute": 100_000, "tokens_per_minute": 50_000_000, "concurrent_streams": 1000,
@@ -47,7 +49,8 @@ from django.test import Client
 operator = User.objects.create_user({STAFF!r}, password={PASSWORD!r}, is_staff=True)
 # What the console's pages and writes need (console.views), as an admin would grant them.
 operator.user_permissions.add(*Permission.objects.filter(
-    content_type__app_label__in=["tenants", "batches"], codename__regex="^(view|add|change)_(tenant|apikey|batch)$"))
+    content_type__app_label__in=["tenants", "batches"],
+    codename__regex="^((view|add|change)_(tenant|apikey|batch)|view_auditentry)$"))
 member = User.objects.create_user({MEMBER!r}, password={PASSWORD!r})
 client = Client()
 client.force_login(member)  # a session of a signed-in user who is not staff
@@ -111,19 +114,40 @@ def log_in(page, url: str) -> None:
     page.wait_for_url(re.compile(r"/console/engine/$"))
 
 
+def staff_context(browser, platform: Platform, **options):
+    """A signed-in staff member's context whose requests are all recorded (`context.requested`)."""
+    context = browser.new_context(base_url=platform.server.url, viewport={"width": 1280, "height": 900}, **options)
+    context.set_default_timeout(TIMEOUT_MS)
+    context.requested = []
+    context.on("request", lambda request: context.requested.append(request.url))
+    log_in(context.new_page(), platform.server.url)
+    return context
+
+
+def assert_same_origin(context, platform: Platform) -> None:
+    elsewhere = [url for url in context.requested
+                 if not url.startswith((platform.server.url + "/", platform.server.ws_url + "/", "data:", "blob:"))]
+    assert not elsewhere, f"requests to another origin: {elsewhere}"
+
+
 @pytest.fixture
 def page(browser, platform: Platform):
-    """A signed-in staff member's page, in a context of its own."""
-    context = browser.new_context(base_url=platform.server.url, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(TIMEOUT_MS)
-    page = context.new_page()
-    log_in(page, platform.server.url)
+    """A signed-in staff member's page, in a context of its own; no request it makes leaves the origin."""
+    context = staff_context(browser, platform)
+    page = context.pages[0]
     yield page
+    assert_same_origin(context, platform)
     context.close()
 
 
 def shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def readme_shot(page, name: str) -> None:
+    """The README's picture of a page: the first screen of it, light or dark as the page is."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"console-{name}.png"))
 
 
 def test_staff_log_in_through_the_admin_login_and_land_on_the_console(browser, platform: Platform):
@@ -142,9 +166,20 @@ def test_staff_log_in_through_the_admin_login_and_land_on_the_console(browser, p
     context.close()
 
 
-def test_a_new_tenant_and_key_the_secret_shown_exactly_once(page, platform: Platform):
+def key_works(server: LiveServer, secret: str) -> bool:
+    request = urllib.request.Request(server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status == 200
+    except urllib.error.HTTPError as err:
+        assert err.code == 401, err.code
+        return False
+
+
+def test_a_new_tenant_and_key_the_secret_shown_once_copied_then_revoked_after_confirming(page, platform: Platform):
     from playwright.sync_api import expect
 
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=platform.server.url)
     page.goto("/console/tenants/")
     page.fill("#new-tenant input[name=name]", "initech")
     page.select_option("#new-tenant select[name=tier]", label="console-p1 (P1)")
@@ -159,46 +194,112 @@ def test_a_new_tenant_and_key_the_secret_shown_exactly_once(page, platform: Plat
     assert re.fullmatch(r"sk-[A-Za-z0-9]+_[A-Za-z0-9_-]+", secret), secret
     prefix = secret.split("_", 1)[0]
     expect(page.locator("#keys")).to_contain_text(f"{prefix}_…")
+    page.click("#copy-key")
+    expect(page.locator("#copy-key")).to_have_text("Copied")
+    expect(page.locator("#issued-key-status")).to_have_text("Copied to the clipboard.")
+    assert page.evaluate("navigator.clipboard.readText()") == secret
     shot(page, "tenant-key-issued")
-    request = urllib.request.Request(platform.server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert response.status == 200  # the secret shown is a working key
+    assert key_works(platform.server, secret)  # the secret shown is a working key
 
     page.goto(detail_url)  # coming back: the key is listed by its prefix, its secret is gone
     expect(page.locator("#keys")).to_contain_text(f"{prefix}_…")
     expect(page.locator("#issued-key")).to_have_count(0)
     assert secret not in page.content()
+
+    # Revoking asks first: dismissed, nothing happens; accepted, the key is refused.
+    row = page.locator("#keys tr", has_text=f"{prefix}_…")
+    questions = []
+    page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.dismiss()))
+    row.locator("button", has_text="Revoke").click()
+    assert questions and questions[0].startswith(f"Revoke {prefix}_… (ci)?")
+    expect(row).to_contain_text("active")
+    assert key_works(platform.server, secret)
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.locator("button", has_text="Revoke").click()
+    expect(page.locator(".messages")).to_contain_text(f"Key {prefix}_… revoked.")
+    expect(page.locator("#keys tr", has_text=f"{prefix}_…")).to_contain_text("revoked")
+    assert not key_works(platform.server, secret)
+
+    # Deactivating asks too, and reactivating undoes it.
+    page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.accept()))
+    page.click("#set-active button")
+    assert questions[-1] == "Deactivate initech? Its keys are refused at once."
+    expect(page.locator("h1")).to_contain_text("inactive")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#set-active button")
+    expect(page.locator(".messages")).to_contain_text("initech is active again.")
     shot(page, "tenant")
+    readme_shot(page, "tenant")
 
     page.goto("/console/tenants/")
+    page.fill("#tenant-search input[name=q]", "init")
+    page.keyboard.press("Enter")  # the search submits from the keyboard
+    expect(page.locator("#tenants tbody tr")).to_have_count(1)
     row = page.locator("#tenants tr", has_text="initech")
     expect(row).to_contain_text("console-p1")
     expect(row).to_contain_text("P1")
+    expect(row.locator(".usage")).to_contain_text("/ 1T")  # a budget of 10**12 tokens, abbreviated
     assert secret not in page.content()
     shot(page, "tenants")
+    readme_shot(page, "tenants")
 
 
-def test_the_playground_streams_a_chat_through_the_public_api(page):
+def test_the_playground_streams_with_its_settings_and_shows_a_refusal_as_an_error(page):
     from playwright.sync_api import expect
 
     page.goto("/console/playground/")
     page.select_option("#pick-tenant select[name=tenant]", label="load (console-p1, P1)")
     page.click("#pick-tenant button")
+    expect(page.locator("#lane option")).to_have_text(["P1 near-realtime", "P2 batch"])  # never better than the tier's
+    page.fill("#system-prompt", "You answer in English.")
+    page.fill("#temperature", "0.7")
+    page.fill("#top-p", "0.9")
     page.fill("#max-tokens", "32")
     page.fill("#prompt", "Write a short story about a lighthouse keeper and a storm.")
-    page.click("#send")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    body = sent.value.post_data_json
+    assert body["messages"][0] == {"role": "system", "content": "You answer in English."}
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["priority"]) == (0.7, 0.9, 32, 1)
     # Tokens arrive while the request still runs: text on the page before it has finished.
     page.wait_for_function("document.getElementById('reply') && document.getElementById('reply').textContent.length > 0"
                            " && document.getElementById('finish').textContent === '–'")
     partial = page.locator("#reply").inner_text()
     expect(page.locator("#ttft")).to_have_text(re.compile(r"^\d+ ms$"))
-    expect(page.locator("#finish")).not_to_have_text("–")
     expect(page.locator("#finish")).to_have_text(re.compile("stop|length"))
     final = page.locator("#reply").inner_text()
     assert len(final) > len(partial) and final.startswith(partial.rstrip())
     assert int(page.locator("#token-count").inner_text()) > 1
     assert float(page.locator("#tokens-per-s").inner_text()) > 0
+    # Each reply keeps its own TTFT and rate.
+    expect(page.locator(".reply-stats")).to_have_text(re.compile(r"^TTFT \d+ ms · \d+ tokens · [\d.]+ tokens/s · (stop|length)$"))
     shot(page, "playground")
+    readme_shot(page, "playground")
+
+    # Above the tier's max_tokens (512): the API's refusal is shown as an error, not as a reply.
+    page.fill("#max-tokens", "1000")
+    page.fill("#prompt", "Hello again.")
+    page.click("#send")
+    expect(page.locator("#transcript [role=alert]")).to_have_text(
+        "Error: 400: max_tokens is 1000, above this tier's limit of 512.")
+    expect(page.locator("#finish")).to_have_text("error")
+    expect(page.locator(".reply-stats")).to_have_count(1)
+    shot(page, "playground-error")
+
+    # The response format goes with the request; a request the network drops is an error too.
+    # (Aborted in the browser: running structured output here would add ~20 s on 2 cores.)
+    page.select_option("#response-format", "json_schema")
+    expect(page.locator("#json-schema")).to_be_visible()
+    page.route("**/v1/chat/completions", lambda route: route.abort("connectionreset"))
+    page.fill("#max-tokens", "24")
+    page.fill("#prompt", "Answer in one word: what colour is the sky?")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    assert sent.value.post_data_json["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "playground", "schema": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    expect(page.locator("#transcript [role=alert]").last).to_have_text(re.compile(r"^Error: the request failed \(.+\)$"))
+    expect(page.locator("#finish")).to_have_text("error")
+    page.unroute("**/v1/chat/completions")
 
 
 def run_requests(server: LiveServer, n: int, max_tokens: int) -> threading.Thread:
@@ -233,23 +334,37 @@ def test_the_engine_page_shows_the_counters_move_while_requests_run(page, platfo
     expect(page.locator("#replicas tr[data-replica] td:nth-child(2)")).to_have_text(platform.server.url)
     expect(page.locator("#replicas tr[data-replica] td:nth-child(3)")).to_have_text("ready")
     expect(page.locator("#finished-requests")).not_to_have_text("–")
-    finished_before = int(page.locator("#finished-requests").inner_text())
-    generated_before = int(page.locator("#generated-tokens").inner_text())
+    finished_before = int(page.locator("#finished-requests").get_attribute("data-value"))
+    generated_before = int(page.locator("#generated-tokens").get_attribute("data-value"))
 
     runner = run_requests(platform.server, n=4, max_tokens=32)
     try:
         # Lane P1 shows requests running, then the counters move past what they were.
         page.wait_for_function("Number(document.querySelector('#lane-1 td[data-field=running]').textContent) > 0")
-        page.wait_for_function(f"Number(document.getElementById('generated-tokens').textContent) > {generated_before}")
+        page.wait_for_function(f"Number(document.getElementById('generated-tokens').dataset.value) > {generated_before}")
         shot(page, "engine-busy")
     finally:
         runner.join(timeout=TIMEOUT_MS / 1000)
-    page.wait_for_function(f"Number(document.getElementById('finished-requests').textContent) >= {finished_before + 4}")
+    page.wait_for_function(f"Number(document.getElementById('finished-requests').dataset.value) >= {finished_before + 4}")
     expect(page.locator("#lane-1 td[data-field=running]")).to_have_text("0")
     # The finished requests' latencies appear for their lane.
     expect(page.locator("#lane-1 td[data-field=ttft_p50_ms]")).to_have_text(re.compile(r"^\d+ ms$"))
     expect(page.locator("#lane-1 td[data-field=itl_p99_ms]")).to_have_text(re.compile(r"^\d+ ms$"))
+    # The charts (uPlot draws axes on its canvas): a legend per series, and on hover the instant's
+    # time and each value with its unit, in the legend and in a tooltip at the cursor.
+    lanes_chart = page.locator("#chart-lanes")
+    expect(lanes_chart.locator(".u-legend .u-label")).to_contain_text(["time", "P0 running", "P0 waiting", "P1 running"])
+    box = page.locator("#chart-throughput .u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.9, box["y"] + box["height"] / 2)
+    tooltip = page.locator("#chart-throughput .tooltip")
+    expect(tooltip).to_be_visible()
+    expect(tooltip).to_have_text(re.compile(r"^\d\d:\d\d:\d\d\nthis replica: [\d.]+[kM]? tokens/s$"))
+    expect(page.locator("#chart-throughput .u-legend .u-value").first).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
+    # Every replica of the fleet has its series (here the one, by its id).
+    replica_id = page.locator("#replicas tr[data-replica]").first.get_attribute("data-replica")
+    expect(page.locator("#chart-fleet .u-legend .u-label")).to_have_text(["time", replica_id])
     shot(page, "engine")
+    readme_shot(page, "engine")
 
     # The requests are billed to their tenant: its page charts them in lane P1 today.
     page.goto("/console/tenants/")
@@ -262,38 +377,160 @@ def test_the_engine_page_shows_the_counters_move_while_requests_run(page, platfo
         return any(re.fullmatch(r"P1: [1-9]\d* tokens", bar) for bar in bars)
 
     wait_for(p1_usage_charted, timeout=TIMEOUT_MS / 1000, what="tenant load's usage in lane P1")
+    # Today's bar, the last of 30 days, reads its date and tokens on hover.
+    box = page.locator("#chart-by-day .u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] - 2, box["y"] + box["height"] / 2)
+    expect(page.locator("#chart-by-day .tooltip")).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d\ntokens: [1-9][\d.]*[kM]? tokens$"))
     shot(page, "tenant-usage")
 
 
-def test_a_running_batch_is_cancelled_from_the_batches_page(page, platform: Platform):
+def ensure_worker(platform: Platform) -> Worker:
+    if platform.worker is None:
+        server = platform.server
+        platform.worker = Worker({**server.env, **WORKER_ENV, "BATCH_WORKER_CONCURRENCY": "4",
+                                  "BATCH_ENGINE_URL": server.url}, platform.tmp / "worker.log").start()
+    return platform.worker
+
+
+def test_a_finished_batchs_output_downloads_with_the_apis_bytes(page, platform: Platform):
     from playwright.sync_api import expect
 
-    server = platform.server
-    platform.worker = Worker({**server.env, **WORKER_ENV, "BATCH_WORKER_CONCURRENCY": "4",
-                              "BATCH_ENGINE_URL": server.url}, platform.tmp / "worker.log").start()
-    client = OpenAI(base_url=server.url + "/v1", api_key=server.keys["batcher"], max_retries=0, timeout=60)
+    ensure_worker(platform)
+    client = OpenAI(base_url=platform.server.url + "/v1", api_key=platform.server.keys["batcher"], max_retries=0, timeout=60)
+    upload = client.files.create(file=("short.jsonl", chat_lines(3, max_tokens=8).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    page.goto("/console/batches/")
+    page.click(f"a:has-text('{batch.id}')")
+    expect(page.locator("#batch-status")).to_have_text("completed")  # the page reloads itself while it runs
+    expect(page.locator("#request-counts td[data-state=succeeded]")).to_have_text("3")
+    expect(page.locator("#batch-progress .progress")).to_have_attribute("aria-label", "3 succeeded of 3")
+    with page.expect_download() as download:
+        page.click("#download-output")
+    output_file_id = client.batches.retrieve(batch.id).output_file_id
+    assert Path(download.value.path()).read_bytes() == client.files.content(output_file_id).content
+    assert download.value.suggested_filename == f"{batch.id}_output.jsonl"
+    expect(page.locator("#failed")).to_contain_text("None.")
+    shot(page, "batch-completed")
+
+
+def test_a_running_batch_shows_its_pace_and_is_cancelled_from_its_page(page, platform: Platform):
+    from playwright.sync_api import expect
+
+    ensure_worker(platform)
+    client = OpenAI(base_url=platform.server.url + "/v1", api_key=platform.server.keys["batcher"], max_retries=0, timeout=60)
     upload = client.files.create(file=("long.jsonl", chat_lines(24, max_tokens=256).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
 
-    row = page.locator(f"tr[id='{batch.id}']")
-
     def items_running() -> bool:
-        page.goto("/console/batches/")
-        return row.locator(".state.running").count() > 0
+        page.goto(f"/console/batches/{batch.id}/")
+        return page.locator("#batch-progress .progress span.running").count() > 0
 
     wait_for(items_running, timeout=90, interval=0.5, what="the batch's items to run (worker log: worker.log)")
-    expect(row.locator(".status")).to_have_text("in_progress")
-    expect(row.locator("progress")).to_have_attribute("max", "24")
-    shot(page, "batches-running")
-    row.locator("button", has_text="Cancel").click()
+    expect(page.locator("#batch-status")).to_have_text("in_progress")
+    expect(page.locator("#pace")).to_contain_text("requests/min")
+    expect(page.locator("#download-input")).to_contain_text("input: long.jsonl")
+    shot(page, "batch-running")
+    readme_shot(page, "batch")
+
+    # The workers panel meanwhile: the worker answers and runs items; no alert.
+    page.goto("/console/workers/")
+    expect(page.locator("#workers tr[data-worker]")).to_have_count(1)
+    expect(page.locator("#queues tr[data-queue=celery]")).to_be_visible()
+    expect(page.locator("#running tbody tr").first).to_contain_text(re.compile(r":\d+"))
+    expect(page.locator("#alerts .alert")).to_have_count(0)
+    readme_shot(page, "workers")
+
+    page.goto(f"/console/batches/{batch.id}/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#cancel-batch button")
     expect(page.locator(".messages")).to_contain_text(re.compile(f"{batch.id} is cancel(ling|led)"))
-    expect(row.locator(".status")).to_have_text(re.compile(r"^cancel(ling|led)$"))
     # Queued items stop at once, running ones when their workers see the cancel; then it is final.
+    expect(page.locator("#batch-status")).to_have_text("cancelled")
+    expect(page.locator("#cancel-batch")).to_have_count(0)
+    bar = page.locator("#batch-progress .progress")
+    expect(bar.locator("span.cancelled")).to_be_visible()
+    expect(bar).to_have_attribute("aria-label", re.compile(r"\d+ cancelled of 24$"))
+    assert client.batches.retrieve(batch.id).status == "cancelled"
+    page.goto("/console/batches/")
+    row = page.locator(f"tr[id='{batch.id}']")
     expect(row.locator(".status")).to_have_text("cancelled")
     expect(row.locator(".states")).to_contain_text("cancelled")
-    expect(row.locator("button", has_text="Cancel")).to_have_count(0)
-    assert client.batches.retrieve(batch.id).status == "cancelled"
     shot(page, "batches")
+
+
+def test_the_requests_tail_lists_requests_live_and_filters_them(page, platform: Platform):
+    from playwright.sync_api import expect
+
+    page.goto("/console/requests/")  # the chats of the tests above and the batch items, across tenants
+    expect(page.locator("#requests tbody tr", has_text="/v1/chat/completions").first).to_contain_text("load")
+    expect(page.locator("#requests tbody tr", has_text="batcher").first).to_contain_text("batch")
+    page.fill("#tail-filter input[name=tenant]", "batcher")
+    page.click("#tail-filter button")
+    rows = page.locator("#requests tbody tr")
+    expect(rows.first).to_contain_text("batch")
+    assert all("batcher" in text for text in rows.all_inner_texts())
+    # Live: a new request shows up without a reload.
+    page.goto("/console/requests/?tenant=load")
+    before = page.locator("#requests tbody tr").count()
+    run_requests(platform.server, n=1, max_tokens=4).join(timeout=TIMEOUT_MS / 1000)
+    expect(page.locator("#requests tbody tr")).to_have_count(before + 1)
+    expect(page.locator("#requests tbody tr").first.locator(".status")).to_have_text(re.compile("stop|length"))
+    expect(page.locator("#requests tbody tr").first.locator(".captured")).to_have_text("–")  # off by default
+
+    # Debug capture on for tenant load: its next request's messages show in the tail; off again, they are gone.
+    page.goto(f"/console/tenants/{platform.server.tenant_ids['load']}/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#debug-capture button")
+    expect(page.locator("#debug-capture-state")).to_have_text("on")
+    page.goto("/console/requests/?tenant=load")
+    run_requests(platform.server, n=1, max_tokens=4).join(timeout=TIMEOUT_MS / 1000)
+    newest = page.locator("#requests tbody tr").first
+    expect(newest.locator(".captured")).to_contain_text("prompt")
+    newest.locator(".captured summary").click()
+    expect(newest.locator(".captured pre")).to_contain_text('"content": "List 5 colours, one per line."')
+    readme_shot(page, "requests")
+    page.goto(f"/console/tenants/{platform.server.tenant_ids['load']}/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#debug-capture button")
+    expect(page.locator("#debug-capture-state")).to_have_text("off")
+    page.goto("/console/requests/?tenant=load")
+    assert "List 5 colours" not in page.content()
+
+
+UNLABELLED = """() => [...document.querySelectorAll("input:not([type=hidden]), select, textarea, button")]
+  .filter((el) => !(el.labels && el.labels.length) && !el.getAttribute("aria-label") && !el.textContent.trim())
+  .map((el) => el.outerHTML)"""
+
+
+def test_every_page_follows_a_dark_os_setting_has_labelled_controls_and_a_skip_link(browser, platform: Platform):
+    from playwright.sync_api import expect
+
+    context = staff_context(browser, platform, color_scheme="dark")
+    page = context.pages[0]
+    tenant_id = platform.server.tenant_ids["load"]
+    batch_id = platform.server.django("from batches.models import Batch\nresult = Batch.objects.first().id")
+    pages = {"engine": "/console/engine/", "tenants": "/console/tenants/", "tenant": f"/console/tenants/{tenant_id}/",
+             "batches": "/console/batches/", "batch": f"/console/batches/{batch_id}/", "workers": "/console/workers/",
+             "requests": "/console/requests/", "audit": "/console/audit/", "playground": "/console/playground/"}
+    for name, path in pages.items():
+        page.goto(path)
+        expect(page.locator("body")).to_have_css("background-color", "rgb(20, 24, 29)")
+        assert page.evaluate(UNLABELLED) == [], name
+        if name == "engine":
+            expect(page.locator("#engine-state")).to_have_text("ready")
+            page.wait_for_timeout(1500)  # a few snapshots on the charts before the picture (not an assertion)
+        if name in ("engine", "tenants", "tenant", "batch", "workers", "requests"):
+            readme_shot(page, f"{name}-dark")
+        page.keyboard.press("Tab")  # the first stop is the skip link, which moves focus to the content
+        expect(page.locator("a.skip")).to_be_focused()
+        page.keyboard.press("Enter")
+        expect(page.locator("main")).to_be_focused()
+    page.goto("/console/playground/")
+    page.click("#pick-tenant button")
+    assert page.evaluate(UNLABELLED) == []
+    readme_shot(page, "playground-dark")
+    assert_same_origin(context, platform)
+    context.close()
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -307,7 +544,7 @@ from tenants.models import ApiKey
 key = ApiKey.objects.filter(tenant__name="load").first()
 result = {"pk": key.tenant_id, "key_pk": key.pk}
 """)
-    values = {**ids, "batch_id": "batch_0123456789abcdef01234567"}
+    values = {**ids, "batch_id": "batch_0123456789abcdef01234567", "kind": "output"}
     return [reverse(f"console:{p.name}", kwargs={name: values[name] for name in p.pattern.converters})
             for p in urlpatterns]
 

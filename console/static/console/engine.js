@@ -1,20 +1,25 @@
-// Engine page: one snapshot every half second over /ws/console/engine; the last five
-// minutes of them are kept here, in the page, for the charts.
+// Engine page: one snapshot every half second over /ws/console/engine; the charts keep the
+// last five minutes of them (charts.js).
 "use strict";
 (function () {
-  const HISTORY_S = 300;
   const LANE_COLORS = ["#d1242f", "#1f6feb", "#8250df"];
-  const history = [];
   const $ = (id) => document.getElementById(id);
   const fmt = (v, digits = 0) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits));
+
+  // Abbreviated on the card (1.2M), exact in its tooltip and data-value.
+  function count(el, value) {
+    el.textContent = abbrev(value);
+    el.title = grouped(value);
+    el.dataset.value = value;
+  }
 
   function render(s) {
     $("engine-state").textContent = s.state;
     $("engine-state").className = "badge" + (s.ready ? " ready" : "");
     if (!s.ready) return;
     $("tokens-per-s").textContent = fmt(s.tokens_per_s, 1);
-    $("generated-tokens").textContent = s.generated_tokens;
-    $("finished-requests").textContent = s.finished_requests;
+    count($("generated-tokens"), s.generated_tokens);
+    count($("finished-requests"), s.finished_requests);
     $("requests-in-flight").textContent = s.requests_in_flight;
     $("preemptions").textContent = s.preemptions;
     $("preemptions-by-mode").textContent = `recompute ${s.preemptions_by_mode.recompute}, swap ${s.preemptions_by_mode.swap}`;
@@ -65,20 +70,43 @@
     }
   }
 
-  function chart() {
-    const lane = (l, key) => history.map((s) => (s.lanes[l] || {})[key] ?? 0);
-    drawLines($("chart-throughput"), [{ values: history.map((s) => s.tokens_per_s), color: "#1f6feb" }]);
-    drawLines($("chart-lanes"), ["0", "1", "2"].flatMap((l, i) => [
-      { values: lane(l, "running"), color: LANE_COLORS[i] },
-      { values: lane(l, "waiting"), color: LANE_COLORS[i], dashed: true },
-    ]));
-    drawLines($("chart-kv"), [
-      { values: history.map((s) => s.kv_blocks_used), color: "#1f6feb" },
-      { values: history.map((s) => s.kv_blocks_cached), color: "#8bb8f8" },
-    ]);
-    drawLines($("chart-ttft"), ["0", "1", "2"].map((l, i) => ({
-      values: history.map((s) => ((s.latency || {})[l] || {}).ttft_p50_ms ?? null), color: LANE_COLORS[i],
-    })));
+  const lanes = ["0", "1", "2"];
+  const charts = {
+    throughput: timeChart($("chart-throughput"), [{ label: "this replica", color: "#1f6feb" }], "tokens/s"),
+    lanes: timeChart($("chart-lanes"), lanes.flatMap((l, i) => [
+      { label: `P${l} running`, color: LANE_COLORS[i] },
+      { label: `P${l} waiting`, color: LANE_COLORS[i], dash: [4, 3] },
+    ]), "requests"),
+    kv: timeChart($("chart-kv"), [{ label: "used", color: "#1f6feb" }, { label: "cached", color: "#8bb8f8" }], "blocks"),
+    ttft: timeChart($("chart-ttft"), lanes.map((l, i) => ({ label: `P${l} p50`, color: LANE_COLORS[i] })), "ms"),
+  };
+
+  // Tokens/s of every replica that reports to the fleet, one series each. uPlot's series are
+  // fixed when it is built, so a replica joining or leaving rebuilds the chart from the history.
+  const FLEET_COLORS = ["#1f6feb", "#d1242f", "#2e9e44", "#8250df", "#9a6700", "#0e7c86", "#bf3989", "#57606a"];
+  const fleetHistory = [];
+  let fleetChart = null, fleetIds = "";
+
+  function chartFleet(s) {
+    if (!s.fleet) return;
+    fleetHistory.push({ at: s.at, rates: Object.fromEntries(s.fleet.map((r) => [r.id, r.tokens_per_s])) });
+    while (s.at - fleetHistory[0].at > 300) fleetHistory.shift();
+    const ids = s.fleet.map((r) => r.id).sort();
+    if (ids.join(" ") !== fleetIds || fleetChart === null) {
+      fleetIds = ids.join(" ");
+      $("chart-fleet").replaceChildren();
+      fleetChart = timeChart($("chart-fleet"), ids.map((id, i) => ({ label: id, color: FLEET_COLORS[i % FLEET_COLORS.length] })),
+                             "tokens/s");
+      for (const h of fleetHistory.slice(0, -1)) fleetChart.push(h.at, ids.map((id) => h.rates[id] ?? null));
+    }
+    fleetChart.push(s.at, ids.map((id) => fleetHistory[fleetHistory.length - 1].rates[id] ?? null));
+  }
+
+  function chart(s) {
+    charts.throughput.push(s.at, [s.tokens_per_s]);
+    charts.lanes.push(s.at, lanes.flatMap((l) => [(s.lanes[l] || {}).running ?? 0, (s.lanes[l] || {}).waiting ?? 0]));
+    charts.kv.push(s.at, [s.kv_blocks_used, s.kv_blocks_cached]);
+    charts.ttft.push(s.at, lanes.map((l) => ((s.latency || {})[l] || {}).ttft_p50_ms ?? null));
   }
 
   function connect() {
@@ -87,10 +115,8 @@
       const s = JSON.parse(event.data);
       render(s);
       renderFleet(s);
-      if (!s.ready) return;
-      history.push(s);
-      while (history.length && s.at - history[0].at > HISTORY_S) history.shift();
-      chart();
+      if (s.ready) chart(s);
+      chartFleet(s);
     };
     socket.onclose = (event) => {
       $("engine-state").textContent = event.code === 4403 ? "forbidden: log in as staff" : "disconnected, retrying…";
