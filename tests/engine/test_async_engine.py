@@ -243,11 +243,13 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_every_block(serve):
 
 def test_a_paused_stream_generates_nothing_until_resumed_then_finishes_token_identical(serve):
     prompt = [2, 7, 1, 8, 2, 8]
-    (expected,) = baseline([prompt], greedy(60))
+    # Long enough that the pause lands before the end on a loaded box: at 60 tokens the engine
+    # thread once finished them while this loop waited for a core, and the pause never showed.
+    (expected,) = baseline([prompt], greedy(200))
     ae = serve()
 
     async def main():
-        stream = await ae.submit("p", prompt, greedy(60))
+        stream = await ae.submit("p", prompt, greedy(200))
         first = await stream.__anext__()
         stream.pause()
         await until(lambda: ae.stats().paused == 1, what="the request paused")
