@@ -133,6 +133,10 @@ class _Sampling(serializers.Serializer):
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
                                            max_length=settings.MAX_STOP_TOKEN_IDS)
     ignore_eos = serializers.BooleanField(required=False)
+    speculative = serializers.BooleanField(required=False, help_text=(
+        "false: never decode this request speculatively (INFERENCE_SPECULATIVE). Speculation does not change "
+        "what is sampled, only how fast; the engine leaves out requests with penalties, logprobs or a "
+        "response_format itself."))
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptions(required=False)
     priority = _bounded("priority", help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. "

@@ -40,6 +40,11 @@ class Counters:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    # Speculative decoding, by lane: verifying passes (a sequence's step with a draft), draft
+    # tokens proposed, and those the target accepted.
+    spec_passes: Counter = field(default_factory=Counter)
+    spec_draft_tokens: Counter = field(default_factory=Counter)
+    spec_accepted_tokens: Counter = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -337,27 +342,52 @@ class LLMEngine:
         c.steps += 1
         c.computed_tokens += schedule.num_batched_tokens
         c.prefix_hit_tokens += schedule.num_prefix_hit_tokens
+        by_seq: dict[int, list[SampledToken]] = {}
+        for s in sampled:
+            by_seq.setdefault(id(s.seq), []).append(s)
         for item in schedule.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            if item.draft:
+                self._settle_draft(item, len(by_seq[id(item.seq)]) - 1)
         outputs = []
+        for tokens in by_seq.values():
+            outputs.append(self._emit(tokens[0].seq, tokens))
+        return outputs
+
+    def _settle_draft(self, item, accepted: int) -> None:
+        """The accepted draft tokens' keys and values are in the cache; the rejected ones' slots
+        are not: their blocks go back, so none is ever keyed into the prefix cache."""
+        seq = item.seq
+        seq.num_computed_tokens += accepted
+        self.block_manager.release_tail(seq, seq.num_computed_tokens)
+        c = self.counters
+        c.spec_passes[seq.lane] += 1
+        c.spec_draft_tokens[seq.lane] += len(item.draft)
+        c.spec_accepted_tokens[seq.lane] += accepted
+
+    def _emit(self, seq: Sequence, sampled: list[SampledToken]) -> RequestOutput:
+        """Append a step's tokens for `seq` (several when it speculated), up to the first that
+        finishes it: nothing after a stop or the length limit is emitted or counted."""
+        emitted, texts, reason, error = [], [], None, None
         for s in sampled:
-            seq = s.seq
             seq.append_token(s.token_id)
-            c.generated_tokens += 1
+            emitted.append(s.token_id)
+            self.counters.generated_tokens += 1
             if s.logprob is not None:
                 seq.pending_logprobs.append(s.logprob)
             reason = self._stop_reason(seq, s.token_id)
-            error = None
             if seq.matcher is not None:
                 reason, error = self._grammar_step(seq, s.token_id, reason)
             text, reason = self._text_delta(seq, s.token_id, reason)
+            texts.append(text)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-                c.finished_requests += 1
-            out = self._output(seq, (s.token_id,), text, finished=reason is not None)
-            outputs.append(replace(out, error=error, error_kind="grammar") if error else out)
-        return outputs
+                break
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+            self.counters.finished_requests += 1
+        out = self._output(seq, tuple(emitted), "".join(texts), finished=reason is not None)
+        return replace(out, error=error, error_kind="grammar") if error else out
 
     @staticmethod
     def _grammar_step(seq: Sequence, token_id: int, reason: str | None) -> tuple[str | None, str | None]:
@@ -462,7 +492,9 @@ class LLMEngine:
             if sched.policy.effective_lane(seq, now) < seq.lane:
                 aged_up[seq.lane] += 1
         running, swapped = Counter(s.lane for s in sched.running), Counter(s.lane for s in sched.swapped)
-        lanes = {lane: LaneStats(waiting=waiting[lane], running=running[lane], swapped=swapped[lane], aged_up=aged_up[lane])
+        lanes = {lane: LaneStats(waiting=waiting[lane], running=running[lane], swapped=swapped[lane], aged_up=aged_up[lane],
+                                 spec_passes=c.spec_passes[lane], spec_draft_tokens=c.spec_draft_tokens[lane],
+                                 spec_accepted_tokens=c.spec_accepted_tokens[lane])
                  for lane in Lane}
         return EngineStats(
             lanes=MappingProxyType(lanes),

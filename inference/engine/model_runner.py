@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.engine import structured
 from inference.engine.models.llama import LlamaModel
-from inference.engine.sampler import sample
+from inference.engine import speculative, structured
+from inference.engine.sampler import filter_probs, sample
 from inference.engine.scheduler import ScheduledSeq, SchedulerOutput
 from inference.engine.api import TokenLogprob
 from inference.engine.sequence import Sequence
@@ -87,43 +87,88 @@ class ModelRunner:
             self.kv_cache[:, :, list(dst)] = self.swap_cache[:, :, list(src)].to(self.device)
 
     def run(self, schedule: SchedulerOutput) -> list[SampledToken]:
+        """Compute the schedule; the tokens sampled, in order, one per sampling sequence, or
+        1 to k + 1 for a sequence that speculated k draft tokens."""
         self.swap(schedule)
         if not schedule.scheduled:
             return []
         # Grammar masks depend only on the tokens so far: they fill while the model runs.
         constrained = [item.seq for item in schedule.scheduled if item.samples and item.seq.matcher is not None]
         masks = structured.MaskJob([s.matcher for s in constrained], self.model.config.vocab_size) if constrained else None
-        seqs, logits = self.compute_logits(schedule)
+        items, rows, logits = self._logits(schedule)
         if masks is not None:
-            self._apply_masks(masks, constrained, seqs, logits)
-        if not seqs:
+            self._apply_masks(masks, constrained, {id(item.seq): row for item, row in zip(items, rows)}, logits)
+        if not items:
             return []
+        plain = [i for i, item in enumerate(items) if not item.draft]
+        out: dict[int, list[SampledToken]] = {}
         with torch.inference_mode():  # the logits are inference tensors; penalties edit them in place
-            tokens, logprobs = sample(logits, seqs, self.generator, self.model.ops.argmax_rows)
-        return [SampledToken(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs)]
+            if plain:
+                seqs = [items[i].seq for i in plain]
+                picked = logits if len(plain) == len(logits) else logits[[rows[i] for i in plain]]
+                tokens, logprobs = sample(picked, seqs, self.generator, self.model.ops.argmax_rows)
+                for i, seq, t, lp in zip(plain, seqs, tokens, logprobs):
+                    out[i] = [SampledToken(seq, t, lp)]
+            if len(plain) < len(items):
+                out.update(self._verify(items, rows, logits))
+        return [token for i in range(len(items)) for token in out[i]]
 
-    def _apply_masks(self, masks: structured.MaskJob, constrained: list[Sequence], seqs: list[Sequence],
+    def _verify(self, items: list[ScheduledSeq], rows: list[int], logits: torch.Tensor) -> dict[int, list[SampledToken]]:
+        """The tokens each speculating item emits, by the target's logits at its 1 + k rows."""
+        out = {}
+        spec = [i for i, item in enumerate(items) if item.draft]
+        greedy = [i for i in spec if items[i].seq.params.greedy]
+        if greedy:
+            spans = [range(rows[i], rows[i] + 1 + len(items[i].draft)) for i in greedy]
+            argmax = self.model.ops.argmax_rows(logits[[r for span in spans for r in span]]).tolist()
+            at = 0
+            for i, span in zip(greedy, spans):
+                out[i] = speculative.verify_greedy(argmax[at : at + len(span)], list(items[i].draft))
+                at += len(span)
+        vocab = logits.shape[1]
+        for i in spec:
+            if i in out:
+                continue
+            item, seq = items[i], items[i].seq
+            k = len(item.draft)
+            p = filter_probs(logits[rows[i] : rows[i] + k + 1].float(), [seq] * (k + 1))
+            q = speculative.point_mass(list(item.draft), vocab, logits.device)
+            out[i] = speculative.verify(p, q, list(item.draft), seq.generator or self.generator)
+        return {i: [SampledToken(items[i].seq, t, None) for t in tokens] for i, tokens in out.items()}
+
+    def _apply_masks(self, masks: structured.MaskJob, constrained: list[Sequence], row_of: dict[int, int],
                      logits: torch.Tensor) -> None:
         waited = time.perf_counter()
         bitmask = masks.wait()
         self.mask_wait_s += time.perf_counter() - waited
         self.mask_s += masks.seconds
         self.masked_steps += 1
-        row_of = {id(seq): row for row, seq in enumerate(seqs)}
         order = sorted(range(len(constrained)), key=lambda i: row_of[id(constrained[i])])  # logits' row order
         with torch.inference_mode():
             structured.apply(logits, [row_of[id(constrained[i])] for i in order], bitmask[order])
 
     def compute_logits(self, schedule: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the model on the schedule; logits ([n, vocab], in the model's dtype) only for sequences that sample."""
-        items = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        """Run the model on a schedule without drafts; logits ([n, vocab], in the model's dtype)
+        only for sequences that sample."""
+        items, _, logits = self._logits(schedule)
+        return [item.seq for item in items], logits
+
+    def _logits(self, schedule: SchedulerOutput) -> tuple[list[ScheduledSeq], list[int], torch.Tensor]:
+        """Run the model on the schedule: the items that sample, the row of each one's first
+        logits, and the logits ([rows, vocab], in the model's dtype): one row per item, or
+        1 + k for an item with k draft tokens (the target's next-token logits at each)."""
+        items = sorted(schedule.scheduled, key=lambda s: s.num_query_tokens != 1)  # decodes first, stable
         inputs, ends = self._prepare(items)
         hidden = self.model(*inputs)
         sampling = [i for i, s in enumerate(items) if s.samples]
         if not sampling:
-            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        idx = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
-        return [items[i].seq for i in sampling], self.model.compute_logits(hidden[idx])
+            return [], [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        positions, rows = [], []
+        for i in sampling:
+            rows.append(len(positions))
+            positions.extend(range(ends[i] - 1 - len(items[i].draft), ends[i]))
+        idx = torch.tensor(positions, device=self.device)
+        return [items[i] for i in sampling], rows, self.model.compute_logits(hidden[idx])
 
     def _prepare(self, items: list[ScheduledSeq]):
         bs = self.block_size
@@ -132,9 +177,10 @@ class ModelRunner:
         slots: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         for item in items:
-            seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
+            seq, start, end = item.seq, item.start, item.start + item.num_query_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : item.start + item.num_new_tokens])
+            input_ids.extend(item.draft)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(end - start)
