@@ -377,6 +377,14 @@ class EngineStatsDoc(_Documented):
                               "(STREAM_PAUSE_AFTER_TOKENS); they keep their KV blocks and compute nothing."),
                 "requests_waiting": serializers.DictField(child=serializers.IntegerField()),
                 "preemptions": serializers.IntegerField(),
+                "speculative": inline_serializer("SpeculativeStats", {
+                    "passes": serializers.IntegerField(help_text="Sequence steps that verified a draft (INFERENCE_SPECULATIVE)."),
+                    "draft_tokens": serializers.IntegerField(help_text="Draft tokens proposed."),
+                    "accepted_tokens": serializers.IntegerField(help_text="Draft tokens the target accepted."),
+                    "acceptance_rate": serializers.FloatField(help_text="accepted_tokens / draft_tokens."),
+                    "tokens_per_pass": serializers.FloatField(
+                        help_text="Tokens a speculating sequence's step yields: 1 + accepted_tokens / passes."),
+                }),
                 "streams": inline_serializer("StreamBuffers", {
                     "open": serializers.IntegerField(help_text="Open SSE and WebSocket streams."),
                     "buffered_bytes": serializers.IntegerField(
