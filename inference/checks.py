@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "reference", "triton", "cpu")  # kernels.CHOICES, named here so checks import no torch
 QUANTIZATIONS = ("none", "int8", "int4")  # inference.engine.config.QUANTIZATIONS, likewise
-SPECULATIVE_MODES = ("off", "ngram")  # inference.engine.config.SPECULATIVE_MODES, likewise
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # inference.engine.config.SPECULATIVE_MODES, likewise
 MAX_SPECULATIVE_TOKENS = 16  # inference.engine.config.MAX_SPECULATIVE_TOKENS, likewise
 MIN_INTERNAL_TOKEN_LENGTH = 32
 

@@ -16,7 +16,7 @@ from inference.engine.errors import ConfigError
 from kernels.dispatch import CHOICES as KERNELS_CHOICES
 
 QUANTIZATIONS = ("none", "int8", "int4")
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,12 +127,14 @@ class EngineConfig:
     # Batch-1 decode streams every weight per token: int8 reads 8.5 bits a weight, int4 5, where
     # bf16 reads 16.
     quantization: str = "none"
-    # Speculative decoding (inference/engine/speculative.py): "off" or "ngram" (prompt lookup:
-    # the tokens that followed the latest earlier occurrence of a sequence's last tokens).
-    # A decoding sequence proposes up to num_speculative_tokens (1-16) and the target
-    # verifies them in one pass.
+    # Speculative decoding (inference/engine/speculative.py): "off", "ngram" (prompt lookup:
+    # the tokens that followed the latest earlier occurrence of a sequence's last tokens) or
+    # "draft" (a second, smaller model proposes). A decoding sequence proposes up to
+    # num_speculative_tokens (1-16) and the target verifies them in one pass.
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    # The draft model of "draft" (as `model` names one); None: the served model quantized to int4.
+    draft_model: str | None = None
     # No speculation in a step whose decoding sequences exceed this many: a full batch is
     # compute-bound, and the pass over rejected drafts costs more than it saves.
     speculative_max_batch: int = 8

@@ -19,7 +19,7 @@ import torch
 from inference.engine.api import EngineStats, Lane, LaneStats, RequestOutput, SamplingParams
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig, resolve_device, resolve_dtype
-from inference.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+from inference.engine.errors import ConfigError, DuplicateRequestError, InvalidRequestError, QueueFullError
 from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
@@ -68,6 +68,21 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer | None = None
     name: str = ""
+    draft: LlamaModel | None = None  # the draft model of speculative "draft"
+
+
+def _draft_model(config: EngineConfig, loaded: LoadedModel) -> LlamaModel | None:
+    """The draft model speculative "draft" runs, checked against the target; None otherwise."""
+    if config.speculative != "draft":
+        return None
+    if loaded.draft is None:
+        raise ConfigError("speculative 'draft' needs a draft model (INFERENCE_DRAFT_MODEL)", setting="draft_model")
+    ours, theirs = loaded.model.config.vocab_size, loaded.draft.config.vocab_size
+    if ours != theirs:
+        # Rejection sampling compares the two distributions token by token.
+        raise ConfigError(f"the draft model (INFERENCE_DRAFT_MODEL) has a vocabulary of {theirs} tokens, "
+                          f"the served model {ours}: they must be the same", setting="draft_model")
+    return loaded.draft
 
 
 class Runner(Protocol):
@@ -102,13 +117,15 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        block_bytes = config.block_size * mc.kv_bytes_per_token(model.dtype)
+        draft = _draft_model(config, loaded)
+        # A draft model keeps its own keys and values in the same blocks: a block costs both.
+        block_bytes = config.block_size * sum(m.config.kv_bytes_per_token(m.dtype) for m in (model, draft) if m is not None)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         num_swap_blocks = config.swap_space_bytes // block_bytes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(config, self.block_manager, clock=clock)
         self.runner = make_runner(model, num_blocks=num_blocks, block_size=config.block_size, seed=config.seed,
-                                  num_swap_blocks=num_swap_blocks)
+                                  num_swap_blocks=num_swap_blocks, **({"draft": draft} if draft is not None else {}))
         self.tokens_per_s = 0.0  # recent throughput (decaying peak), reported in stats
         self.step_s = 0.0  # recent duration of a step that computed tokens (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
@@ -123,9 +140,14 @@ class LLMEngine:
         tokenizer, a KV cache sized by the config and a ModelRunner over it. Raises ConfigError
         for a device or dtype this machine cannot use, or a model architecture it cannot run."""
         device = resolve_device(config.device)
-        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.kernels,
-                                   config.quantization)
-        return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name))
+        dtype = resolve_dtype(config.dtype, device)
+        model, source = load_model(config.model, dtype, device, config.cache_dir, config.kernels, config.quantization)
+        draft = None
+        if config.speculative == "draft":
+            # By default the served model itself at int4: a real draft and target pair from one file.
+            draft, _ = load_model(config.draft_model or config.model, dtype, device, config.cache_dir, config.kernels,
+                                  "int4" if config.draft_model is None else "none")
+        return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name, draft))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -347,7 +369,7 @@ class LLMEngine:
             by_seq.setdefault(id(s.seq), []).append(s)
         for item in schedule.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
-            if item.draft:
+            if item.num_draft:
                 self._settle_draft(item, len(by_seq[id(item.seq)]) - 1)
         outputs = []
         for tokens in by_seq.values():
@@ -359,10 +381,12 @@ class LLMEngine:
         are not: their blocks go back, so none is ever keyed into the prefix cache."""
         seq = item.seq
         seq.num_computed_tokens += accepted
+        # The draft model's cache holds its proposals' keys and values: the accepted ones stay.
+        seq.draft_computed_tokens = min(seq.draft_computed_tokens, seq.num_computed_tokens)
         self.block_manager.release_tail(seq, seq.num_computed_tokens)
         c = self.counters
         c.spec_passes[seq.lane] += 1
-        c.spec_draft_tokens[seq.lane] += len(item.draft)
+        c.spec_draft_tokens[seq.lane] += item.num_draft
         c.spec_accepted_tokens[seq.lane] += accepted
 
     def _emit(self, seq: Sequence, sampled: list[SampledToken]) -> RequestOutput:

@@ -157,7 +157,10 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # seq.num_computed_tokens when scheduled
     num_new_tokens: int  # of the sequence's own tokens
-    # Speculative tokens computed after them (a decode only), which the target verifies.
+    # Speculative tokens computed after them (a decode only), which the target verifies: the
+    # tokens themselves when the scheduler proposed them (ngram), else the draft model proposes
+    # num_draft of them in the runner.
+    num_draft: int = 0
     draft: tuple[int, ...] = ()
 
     @property
@@ -168,7 +171,7 @@ class ScheduledSeq:
     @property
     def num_query_tokens(self) -> int:
         """What the model computes for it this step: its new tokens and the draft."""
-        return self.num_new_tokens + len(self.draft)
+        return self.num_new_tokens + self.num_draft
 
 
 @dataclass(frozen=True)
@@ -372,7 +375,8 @@ class Scheduler:
         room = min(width, seq.params.max_tokens - seq.num_output_tokens - 1, step.budget - 1)
         if room <= 0 or not speculates(seq):
             return ()
-        draft = propose_ngram(seq.token_ids, room)
+        # A draft model proposes in the runner, always all it may: reserve room for them.
+        draft = propose_ngram(seq.token_ids, room) if self.config.speculative == "ngram" else [0] * room
         while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
             draft.pop()
         return tuple(draft)
@@ -387,9 +391,11 @@ class Scheduler:
             if seq.paused or seq in sitting_out or num_new == 0:
                 i += 1
                 continue
-            draft = self._draft(seq, width, step) if width and num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 else ()
+            decoding = num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+            draft = self._draft(seq, width, step) if width and decoding else ()
             if draft and bm.allocate(seq, 1 + len(draft)):
-                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, 1, draft))
+                tokens = draft if self.config.speculative == "ngram" else ()
+                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, 1, len(draft), tokens))
                 i += 1
                 continue
             while not bm.allocate(seq, num_new):
@@ -473,7 +479,7 @@ class Scheduler:
         else:
             # Recompute: the sequence keeps its tokens and arrival time and prefills again.
             bm.free(seq)
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.draft_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
             self.preemptions["recompute"] += 1

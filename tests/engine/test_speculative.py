@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from inference.engine.api import Lane, SamplingParams
+from inference.engine.api import ConfigError, Lane, SamplingParams
 from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.config import EngineConfig
 from inference.engine.model_runner import ModelRunner
@@ -34,6 +34,12 @@ def outputs_of(engine: LLMEngine, prompts=PROMPTS, params=greedy_params(40), lan
 
 def ngram_engine(**overrides) -> LLMEngine:
     return tiny_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, **overrides})
+
+
+def draft_engine(draft_seed: int = 0, **overrides) -> LLMEngine:
+    """Drafting with the target's own weights (seed 0, which agrees with it on every token) or
+    another tiny model's (which rarely does)."""
+    return tiny_engine(**{"speculative": "draft", "num_speculative_tokens": 4, "draft": tiny_model(draft_seed), **overrides})
 
 
 # -- prompt lookup ---------------------------------------------------------------------------
@@ -254,6 +260,61 @@ def test_a_seeded_sampled_request_speculates_the_same_way_every_time():
     assert runs[0] == runs[1] == tokens_of(run_to_completion(alone)["r2"])
 
 
+# -- a draft model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["draft-is-target", "other-draft"])
+def test_a_draft_models_greedy_output_is_token_identical(draft_seed):
+    engine = draft_engine(draft_seed)
+    assert outputs_of(engine) == outputs_of(tiny_engine())
+    stats = engine.stats()
+    if draft_seed == 0:
+        # Its cache caught up on every prompt and bonus token: it proposes what the target picks.
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    else:
+        assert stats.spec_draft_tokens > stats.spec_accepted_tokens
+
+
+@pytest.mark.parametrize("lane", [Lane.NEAR_REALTIME, Lane.BATCH], ids=["recompute", "swap"])
+def test_the_draft_models_cache_survives_preemption(lane):
+    engine = draft_engine(num_blocks=20)
+    assert outputs_of(engine, lane=lane) == outputs_of(tiny_engine(num_blocks=20), lane=lane)
+    stats = engine.stats()
+    assert stats.preemptions > 0 and (stats.preemptions_swap > 0) == (lane == Lane.BATCH)
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+
+
+def test_a_prefix_cache_hit_is_recomputed_by_the_draft_model():
+    engine = draft_engine()
+    (first,) = engine.generate([PROMPTS[3]], greedy_params(20))
+    (second,) = engine.generate([list(first.prompt_token_ids + first.token_ids)], greedy_params(20))
+    assert second.num_cached_tokens >= 44
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+
+
+def test_sampling_with_the_targets_own_weights_as_draft_accepts_every_token():
+    """p == q (the same filters on the same logits): min(1, p / q) is 1 for every proposal."""
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, ignore_eos=True, seed=5)
+    engine = draft_engine()
+    outputs_of(engine, params=params)
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens >= 0.99 * stats.spec_draft_tokens > 0
+
+
+def test_a_draft_model_with_another_vocabulary_fails_the_engine_start_naming_it():
+    other = tiny_model(0, dataclasses.replace(TINY, vocab_size=80))
+    with pytest.raises(ConfigError, match="INFERENCE_DRAFT_MODEL") as caught:
+        tiny_engine(speculative="draft", draft=other)
+    assert caught.value.setting == "draft_model"
+
+
+def test_the_draft_models_cache_shares_the_kv_memory():
+    config = dict(num_blocks=None, kv_cache_bytes=1 << 20)
+    alone, drafted = tiny_engine(**config).block_manager.num_blocks, draft_engine(**config).block_manager.num_blocks
+    assert drafted == alone // 2
+
+
 # -- rejection sampling: the emitted tokens are distributed as the target's ------------------
 
 DRAWS = 10_000
@@ -277,8 +338,8 @@ def target_rows(prompt: list[int], draft: tuple[int, ...], params: SamplingParam
     engine = ngram_engine()
     seq = engine.add_request("s", prompt, params)
     engine.block_manager.allocate(seq, len(prompt) + len(draft))
-    item = ScheduledSeq(seq, 0, len(prompt), draft)
-    items, rows, logits = engine.runner._logits(SchedulerOutput((item,), (), len(prompt) + len(draft), 0))
+    item = ScheduledSeq(seq, 0, len(prompt), len(draft), draft)
+    items, rows, logits = engine.runner._logits([item])
     _, plain = engine.runner.compute_logits(SchedulerOutput((ScheduledSeq(seq, 0, len(prompt)),), (), len(prompt), 0))
     return engine.runner, items, rows, logits, plain
 
@@ -303,7 +364,7 @@ def test_prompt_lookup_drafts_leave_the_sampled_distribution_the_targets():
     lengths = torch.zeros(4)
     with torch.inference_mode():
         for _ in range(DRAWS):
-            tokens = [t.token_id for t in runner._verify(items, rows, logits)[0]]
+            tokens = [t.token_id for t in runner._verify(items, rows, logits, {})[0]]
             first[tokens[0]] += 1
             lengths[len(tokens)] += 1
             if tokens[0] == d0:

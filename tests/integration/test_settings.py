@@ -59,7 +59,7 @@ def test_a_bad_quantization_fails_the_system_checks_and_the_checks_know_the_engi
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("SPECULATIVE", "eagle", "INFERENCE_SPECULATIVE must be one of off, ngram"),
+    ("SPECULATIVE", "eagle", "INFERENCE_SPECULATIVE must be one of off, ngram, draft"),
     ("NUM_SPECULATIVE_TOKENS", 0, "INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-16"),
     ("NUM_SPECULATIVE_TOKENS", 17, "INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-16"),
     ("SPECULATIVE_MAX_BATCH", -1, "INFERENCE_SPECULATIVE_MAX_BATCH must not be negative"),
