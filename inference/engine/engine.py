@@ -23,7 +23,7 @@ from inference.engine.errors import ConfigError, DuplicateRequestError, InvalidR
 from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
-from inference.engine.scheduler import Scheduler, SchedulerOutput
+from inference.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from inference.engine.sequence import Sequence
 from inference.engine.stops import StopMatcher
 from inference.engine.grammar import GrammarEngineFailure, guarded
@@ -376,7 +376,7 @@ class LLMEngine:
             outputs.append(self._emit(tokens[0].seq, tokens))
         return outputs
 
-    def _settle_draft(self, item, accepted: int) -> None:
+    def _settle_draft(self, item: ScheduledSeq, accepted: int) -> None:
         """The accepted draft tokens' keys and values are in the cache; the rejected ones' slots
         are not: their blocks go back, so none is ever keyed into the prefix cache."""
         seq = item.seq

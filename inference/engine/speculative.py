@@ -1,8 +1,9 @@
 """Speculative decoding: cheap guesses of a sequence's next tokens, and the exact test the
 target's probabilities put them to.
 
-A decoding sequence proposes up to k draft tokens (`propose_ngram`: prompt lookup, no second
-model). The scheduler gives it 1 + k query tokens in the step, the runner returns the target's
+A decoding sequence proposes up to k draft tokens: by prompt lookup (`propose_ngram`, in the
+scheduler) or from a draft model (`model_runner.Drafter`, in the runner, into the k slots the
+scheduler reserved). The scheduler gives it 1 + k query tokens in the step, the runner returns the target's
 logits at all 1 + k positions, and `verify` keeps the longest run the target agrees with plus
 one token of its own, so a step emits 1 to k + 1 tokens.
 
