@@ -19,8 +19,13 @@ count, with output lengths forced (ignore EOS), and is reported as ratios:
 
 With --weights instead: the same batch-1 and offline workloads with the weights unquantized,
 int8 and int4 (INFERENCE_QUANTIZATION), and llama.cpp's batch-1 decode on the packaged GGUF
-(its Q4_1 weights), then the unquantized batch-1 again for drift; the last lines are
-`batch-1 best of ours vs llama.cpp: <ratio>x` and `offline int8 vs bf16: <ratio>x`.
+(its Q4_1 weights), then the unquantized batch-1 again for drift. Speculative decoding
+(INFERENCE_SPECULATIVE) adds two batch-1 rows, int4 + ngram and the unquantized target with the
+int4 model as draft, measured on text where drafting is honest: chat replies to five questions,
+and a summary of a passage that quotes it (greedy, stopping at EOS as served; random-token
+prompts would give prompt lookup nothing). The last lines are `batch-1 best of ours vs
+llama.cpp: <ratio>x` (the rows without speculation, on llama.cpp's workload) and `offline int8
+vs bf16: <ratio>x`. `--requests`, `--batch1-runs` and `--spec-tokens` shrink a smoke run.
 
     .venv/bin/python bench/engine_throughput.py [--dtype bfloat16] [--skip-continuous] [--json FILE]
     .venv/bin/python bench/engine_throughput.py --weights   # llama.cpp: requirements-bench.txt
@@ -126,7 +131,7 @@ def median_run(run, runs: int = BATCH1_RUNS) -> tuple[float, float]:
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
 
 
-def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int, runs: int = BATCH1_RUNS) -> tuple[float, float]:
     """engine must have the prefix cache off: each run computes the whole prompt, as the
     baselines do."""
     assert not engine.config.enable_prefix_caching
@@ -141,17 +146,17 @@ def ours_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[
         total = time.perf_counter() - start
         return (new_tokens - 1) / (total - (first - start)), first - start
 
-    return median_run(run)
+    return median_run(run, runs)
 
 
-def ours_offline_and_batch1(fresh_engine, reqs, b1_prompt: list[int]) -> tuple[float, float, float]:
+def ours_offline_and_batch1(fresh_engine, reqs, b1_prompt: list[int], runs: int = BATCH1_RUNS) -> tuple[float, float, float]:
     """(offline tok/s, batch-1 tok/s, batch-1 time to first token): offline on a fresh cache
     with prefix caching on, as served (the random prompts share no block), batch-1 with it off."""
     engine = fresh_engine(True)
     engine.generate([b1_prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # warm-up
     offline = ours_offline(engine, reqs)
     del engine  # its KV cache
-    return (offline, *ours_batch1(fresh_engine(False), b1_prompt, 128))
+    return (offline, *ours_batch1(fresh_engine(False), b1_prompt, 128, runs))
 
 
 # -- transformers --------------------------------------------------------------------------------
@@ -263,10 +268,65 @@ def _llama_cpp_run(prompt: list[int], new_tokens: int, threads: int):
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
+SPEC_QUESTIONS = [
+    "How do I reverse a list in Python? Show the code.",
+    "What are the three states of matter? Describe each.",
+    "Write a short email asking a colleague to review my pull request.",
+    "Explain what a hash table is and why lookups are fast.",
+    "List five tips for writing clear documentation.",
+]
+SUMMARY_SOURCE = Path(__file__).resolve().parent.parent / "tests" / "engine" / "data" / "perplexity.txt"
+
+
+def speculative_workloads(tokenizer) -> dict[str, list[list[int]]]:
+    """Chat replies, and a summary asked to quote its ~300-token context."""
+    passage = SUMMARY_SOURCE.read_text()[:1400]
+    summary = f"{passage}\n\nSummarise the text above in a few sentences, quoting its key sentences word for word."
+    return {
+        "chat": [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in SPEC_QUESTIONS],
+        "summary": [tokenizer.encode_chat([{"role": "user", "content": summary}])],
+    }
+
+
+def speculative_batch1(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
+    """(decode tokens/s, acceptance rate, tokens per verifying pass) over `prompts` one at a
+    time, greedy, each to EOS or `new_tokens`: decode time counts from each one's first token."""
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        engine.add_request(f"spec-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0))
+        emitted, first = 0, None
+        while engine.has_unfinished():
+            emitted += sum(len(out.new_token_ids) for out in engine.step())
+            if first is None and emitted:
+                first, at_first = time.perf_counter(), emitted
+        tokens += emitted - at_first
+        seconds += time.perf_counter() - first
+    stats = engine.stats()
+    return tokens / seconds, stats.spec_acceptance_rate, stats.spec_tokens_per_pass
+
+
+def speculative_rows(loaded: dict, config: EngineConfig, new_tokens: int) -> dict[str, dict[str, tuple]]:
+    """Per workload and engine, speculative_batch1's figures: the unquantized and int4 engines,
+    int4 + ngram, and the unquantized target drafted by the int4 model."""
+    plain = replace(config, enable_prefix_caching=False, quantization="none")
+    engines = {
+        "none": lambda: LLMEngine(plain, loaded["none"]),
+        "int4": lambda: LLMEngine(replace(plain, quantization="int4"), loaded["int4"]),
+        "int4 + ngram": lambda: LLMEngine(replace(plain, quantization="int4", speculative="ngram"), loaded["int4"]),
+        "draft": lambda: LLMEngine(replace(plain, speculative="draft"), replace(loaded["none"], draft=loaded["int4"].model)),
+    }
+    workloads = speculative_workloads(loaded["none"].tokenizer)
+    out = {}
+    for workload, prompts in workloads.items():
+        out[workload] = {name: speculative_batch1(make(), prompts, new_tokens) for name, make in engines.items()}
+        print(f"{workload}: " + ", ".join(f"{name} {row[0]:.1f} tok/s" for name, row in out[workload].items()), flush=True)
+    return out
 
 
 def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> None:
-    """Batch-1 decode and offline throughput per quantization, and llama.cpp's batch-1, in one run."""
+    """Batch-1 decode and offline throughput per quantization, speculative decoding's batch-1,
+    and llama.cpp's batch-1, in one run."""
+    kept = {}
     for quantization in QUANTIZATIONS:
         engine = LLMEngine.from_config(EngineConfig(
             dtype=str(dtype).removeprefix("torch."), device=args.device, kv_cache_bytes=1 << 30, max_num_seqs=64,
@@ -280,14 +340,17 @@ def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> No
 
         reqs = make_requests(args.requests, seed=0, vocab=vocab)
         b1_prompt = make_requests(1, seed=1, vocab=vocab)[0][0][:32]
-        offline, b1, ttft = ours_offline_and_batch1(fresh, reqs, b1_prompt)
+        offline, b1, ttft = ours_offline_and_batch1(fresh, reqs, b1_prompt, args.batch1_runs)
         results[quantization] = {"weights_mb": weights_mb, "offline": offline, "b1": b1, "ttft": ttft}
+        kept[quantization] = loaded
         print(f"{quantization}: weights {weights_mb:.0f} MB, batch-1 {b1:.1f} tok/s (ttft {ttft * 1000:.0f} ms), "
               f"offline {offline:.1f} tok/s", flush=True)
         if quantization == "none":
             first_fresh = fresh
+    spec = speculative_rows(kept, config, args.spec_tokens)
+    results["speculative"] = spec
     cpp = llama_cpp_batch1(b1_prompt, 128, threads)
-    results["none"]["b1_again"] = ours_batch1(first_fresh(False), b1_prompt, 128)[0]
+    results["none"]["b1_again"] = ours_batch1(first_fresh(False), b1_prompt, 128, args.batch1_runs)[0]
     names = {"none": f"ours, {str(dtype).removeprefix('torch.')}", "int8": "ours, int8", "int4": "ours, int4"}
     print(f"\n| weights | batch-1 decode (tok/s) | vs {names['none']} | vs llama.cpp | offline, 64 requests (tok/s) | weights held (MB) |")
     print("|---|---|---|---|---|---|")
@@ -297,9 +360,20 @@ def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> No
         vs_cpp = f"{row['b1'] / cpp[0]:.2f}x" if cpp else "n/a"
         print(f"| {names[quantization]} | {row['b1']:.1f} | {row['b1'] / base['b1']:.2f}x | {vs_cpp} | {row['offline']:.1f} "
               f"| {row['weights_mb']:.0f} |")
+    for name, label in (("int4 + ngram", "ours, int4 + ngram"), ("draft", f"{names['none']} target + int4 draft")):
+        chat, summary = spec["chat"], spec["summary"]
+        print(f"| {label} | chat {chat[name][0]:.1f}, summary {summary[name][0]:.1f} | chat "
+              f"{chat[name][0] / chat['none'][0]:.2f}x, summary {summary[name][0] / summary['none'][0]:.2f}x | | | |")
     if cpp:
         results["llama_cpp_b1_tps"] = cpp[0]
         print(f"| llama.cpp (Q4_1 GGUF) | {cpp[0]:.1f} | {cpp[0] / base['b1']:.2f}x | 1.00x | | |")
+    print(f"\nSpeculative rows: batch-1 on chat replies and a quoting summary (to EOS, {args.spec_tokens} tokens at most), "
+          "against the unquantized engine on the same text.")
+    print("\n| workload | engine | batch-1 decode (tok/s) | vs unquantized | acceptance | tokens per pass |")
+    print("|---|---|---|---|---|---|")
+    for workload, rows in spec.items():
+        for name, (tps, acceptance, per_pass) in rows.items():
+            print(f"| {workload} | {name} | {tps:.1f} | {tps / rows['none'][0]:.2f}x | {acceptance:.2f} | {per_pass:.2f} |")
     print(f"\n{names['none']} batch-1 again after the others: {base['b1_again']:.1f} tok/s "
           f"({base['b1_again'] / base['b1'] - 1:+.0%}: how much the machine moved during the run)")
     best = max(results[q]["b1"] for q in QUANTIZATIONS)
@@ -317,6 +391,8 @@ def main() -> None:
     ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' continuous batching (slowest)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--weights", action="store_true", help="unquantized vs int8 vs int4 vs llama.cpp instead")
+    ap.add_argument("--batch1-runs", type=int, default=BATCH1_RUNS, help="batch-1 runs each side takes the median of")
+    ap.add_argument("--spec-tokens", type=int, default=128, help="--weights: new tokens at most per speculative batch-1 run")
     args = ap.parse_args()
 
     threads = torch.get_num_threads()

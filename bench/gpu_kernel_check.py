@@ -146,18 +146,7 @@ def paged(lens, query_lens, block_size, kv_heads, head_dim, dtype, device):
     for i, n in enumerate(needed):
         tables[i, :n] = perm[start : start + n]
         start += n
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = PagedAttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=tables,
-        num_decodes=sum(1 for q in query_lens if q == 1),
-        query_lens_host=tuple(query_lens),
-        seq_lens_host=tuple(lens),
-    )
-    return k_cache, v_cache, meta
+    return k_cache, v_cache, PagedAttentionMetadata.of(query_lens, lens, tables, device)
 
 
 def check_decode(num_seqs, context, heads, kv_heads, head_dim, dtype, device) -> tuple[Result, Callable]:

@@ -252,6 +252,13 @@ INFERENCE = {
     "KERNELS": env.str("KERNELS", default="auto").strip().lower() or "auto",
     # Weight-only quantization at load: none, int8 or int4 (groups of 32; see kernels/quant.py).
     "QUANTIZATION": env.str("INFERENCE_QUANTIZATION", default="none").strip().lower() or "none",
+    # Speculative decoding: off, ngram (prompt lookup) or draft (DRAFT_MODEL proposes; "": the
+    # served model at int4); NUM_SPECULATIVE_TOKENS (1-16) draft tokens a step, in steps where
+    # at most SPECULATIVE_MAX_BATCH sequences decode.
+    "SPECULATIVE": env.str("INFERENCE_SPECULATIVE", default="off").strip().lower() or "off",
+    "DRAFT_MODEL": env.str("INFERENCE_DRAFT_MODEL", default=""),
+    "NUM_SPECULATIVE_TOKENS": env.int("INFERENCE_NUM_SPECULATIVE_TOKENS", default=4),
+    "SPECULATIVE_MAX_BATCH": env.int("INFERENCE_SPECULATIVE_MAX_BATCH", default=8),
     # Where converted weights and tokenizers are kept ("": ~/.cache/llm-platform).
     "CACHE_DIR": env.str("LLM_PLATFORM_CACHE", default=""),
 }

@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "reference", "triton", "cpu")  # kernels.CHOICES, named here so checks import no torch
 QUANTIZATIONS = ("none", "int8", "int4")  # inference.engine.config.QUANTIZATIONS, likewise
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # inference.engine.config.SPECULATIVE_MODES, likewise
+MAX_SPECULATIVE_TOKENS = 16  # inference.engine.config.MAX_SPECULATIVE_TOKENS, likewise
 MIN_INTERNAL_TOKEN_LENGTH = 32
 
 
@@ -36,6 +38,17 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
         problems.append(Error(f"KERNELS must be one of {', '.join(KERNELS)}.", id="inference.E006"))
     if conf["QUANTIZATION"] not in QUANTIZATIONS:
         problems.append(Error(f"INFERENCE_QUANTIZATION must be one of {', '.join(QUANTIZATIONS)}.", id="inference.E010"))
+    return problems + _speculative_problems(conf)
+
+
+def _speculative_problems(conf: dict) -> list[Error]:
+    problems = []
+    if conf["SPECULATIVE"] not in SPECULATIVE_MODES:
+        problems.append(Error(f"INFERENCE_SPECULATIVE must be one of {', '.join(SPECULATIVE_MODES)}.", id="inference.E011"))
+    if not 1 <= conf["NUM_SPECULATIVE_TOKENS"] <= MAX_SPECULATIVE_TOKENS:
+        problems.append(Error(f"INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-{MAX_SPECULATIVE_TOKENS}.", id="inference.E011"))
+    if conf["SPECULATIVE_MAX_BATCH"] < 0:
+        problems.append(Error("INFERENCE_SPECULATIVE_MAX_BATCH must not be negative.", id="inference.E011"))
     return problems
 
 

@@ -77,6 +77,9 @@ def local_stats() -> dict:
         "generated_tokens": stats.generated_tokens,
         "finished_requests": stats.finished_requests,
         "aborted_requests": stats.aborted_requests,
+        "speculative": {"passes": stats.spec_passes, "draft_tokens": stats.spec_draft_tokens,
+                        "accepted_tokens": stats.spec_accepted_tokens, "acceptance_rate": stats.spec_acceptance_rate,
+                        "tokens_per_pass": stats.spec_tokens_per_pass},
         "step_errors": stats.step_errors,
         "restarts": stats.restarts,
         # Not the engine's, but what its streams cost this process: bytes their clients have

@@ -59,6 +59,10 @@ def engine_config() -> EngineConfig:
         crowd_prefill_tokens=conf["CROWD_PREFILL_TOKENS"],
         kernels=conf["KERNELS"],
         quantization=conf["QUANTIZATION"],
+        speculative=conf["SPECULATIVE"],
+        draft_model=conf["DRAFT_MODEL"] or None,
+        num_speculative_tokens=conf["NUM_SPECULATIVE_TOKENS"],
+        speculative_max_batch=conf["SPECULATIVE_MAX_BATCH"],
         cache_dir=conf["CACHE_DIR"] or None,
     )
 

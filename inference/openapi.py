@@ -133,6 +133,10 @@ class _Sampling(serializers.Serializer):
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
                                            max_length=settings.MAX_STOP_TOKEN_IDS)
     ignore_eos = serializers.BooleanField(required=False)
+    speculative = serializers.BooleanField(required=False, help_text=(
+        "false: never decode this request speculatively (INFERENCE_SPECULATIVE). Speculation does not change "
+        "what is sampled, only how fast; the engine leaves out requests with penalties, logprobs or a "
+        "response_format itself."))
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptions(required=False)
     priority = _bounded("priority", help_text="Scheduling lane: 0 realtime, 1 near-realtime, 2 batch. "
@@ -373,6 +377,14 @@ class EngineStatsDoc(_Documented):
                               "(STREAM_PAUSE_AFTER_TOKENS); they keep their KV blocks and compute nothing."),
                 "requests_waiting": serializers.DictField(child=serializers.IntegerField()),
                 "preemptions": serializers.IntegerField(),
+                "speculative": inline_serializer("SpeculativeStats", {
+                    "passes": serializers.IntegerField(help_text="Sequence steps that verified a draft (INFERENCE_SPECULATIVE)."),
+                    "draft_tokens": serializers.IntegerField(help_text="Draft tokens proposed."),
+                    "accepted_tokens": serializers.IntegerField(help_text="Draft tokens the target accepted."),
+                    "acceptance_rate": serializers.FloatField(help_text="accepted_tokens / draft_tokens."),
+                    "tokens_per_pass": serializers.FloatField(
+                        help_text="Tokens a speculating sequence's step yields: 1 + accepted_tokens / passes."),
+                }),
                 "streams": inline_serializer("StreamBuffers", {
                     "open": serializers.IntegerField(help_text="Open SSE and WebSocket streams."),
                     "buffered_bytes": serializers.IntegerField(

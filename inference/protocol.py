@@ -35,7 +35,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "ignore_eos", "stop_token_ids",
+    "repetition_penalty", "ignore_eos", "stop_token_ids", "speculative",
 )
 _COMMON_FIELDS = {
     "model", "stream", "stream_options", "n", "max_tokens", "priority", "user", "logit_bias",
@@ -268,6 +268,7 @@ def _sampling(data: dict) -> dict[str, Any]:
     params["stop"] = _stop(data)
     params["stop_token_ids"] = _stop_token_ids(data)
     params["ignore_eos"] = _bool(data, "ignore_eos")
+    params["speculative"] = _bool(data, "speculative", default=True)
     return params
 
 

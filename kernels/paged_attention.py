@@ -34,6 +34,21 @@ class PagedAttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
+    @classmethod
+    def of(cls, query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, device) -> PagedAttentionMetadata:
+        """From each sequence's query and context lengths (its decodes, one query token, first)."""
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )
+
 
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]

@@ -146,6 +146,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per sampled token; 0 = the token's own only
     include_stop_str_in_output: bool = False
     grammar: Grammar | None = None  # structured output: every token keeps the output inside it
+    # False: never speculate for this request (the API's extra body `speculative: false`); the
+    # engine also leaves out requests with a grammar, penalties or logprobs.
+    speculative: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -170,6 +173,7 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean", "ignore_eos")
+        _check(isinstance(self.speculative, bool), "speculative must be a boolean", "speculative")
         _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar must be a Grammar", "response_format")
 
     @property
@@ -214,6 +218,11 @@ class LaneStats:
     running: int = 0
     swapped: int = 0
     aged_up: int = 0  # waiting requests whose effective lane has risen above their own
+    # Speculative decoding: a sequence's steps that verified a draft, the draft tokens proposed,
+    # and those the target accepted (each emitted beside the pass's own token).
+    spec_passes: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 def _no_lanes() -> Mapping[Lane, LaneStats]:
@@ -255,3 +264,25 @@ class EngineStats:
 
     def lane(self, lane: int) -> LaneStats:
         return self.lanes[Lane(lane)]
+
+    @property
+    def spec_passes(self) -> int:
+        return sum(s.spec_passes for s in self.lanes.values())
+
+    @property
+    def spec_draft_tokens(self) -> int:
+        return sum(s.spec_draft_tokens for s in self.lanes.values())
+
+    @property
+    def spec_accepted_tokens(self) -> int:
+        return sum(s.spec_accepted_tokens for s in self.lanes.values())
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_pass(self) -> float:
+        """Tokens a speculating sequence's step yields: its own one and the accepted drafts (0 before any)."""
+        return 1 + self.spec_accepted_tokens / self.spec_passes if self.spec_passes else 0.0

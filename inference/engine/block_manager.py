@@ -237,6 +237,17 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def release_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Free `seq`'s blocks past its first `num_tokens` tokens: those a speculative step took
+        for draft tokens the target rejected. They are never keyed (keys cover computed tokens
+        only), so they go straight back to the free list."""
+        keep = self.blocks_needed(num_tokens)
+        for block in seq.block_table[keep:]:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free.append(block)
+        del seq.block_table[keep:]
+
     # -- swapping --------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:

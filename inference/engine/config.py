@@ -16,6 +16,8 @@ from inference.engine.errors import ConfigError
 from kernels.dispatch import CHOICES as KERNELS_CHOICES
 
 QUANTIZATIONS = ("none", "int8", "int4")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,6 +127,17 @@ class EngineConfig:
     # Batch-1 decode streams every weight per token: int8 reads 8.5 bits a weight, int4 5, where
     # bf16 reads 16.
     quantization: str = "none"
+    # Speculative decoding (inference/engine/speculative.py): "off", "ngram" (prompt lookup:
+    # the tokens that followed the latest earlier occurrence of a sequence's last tokens) or
+    # "draft" (a second, smaller model proposes). A decoding sequence proposes up to
+    # num_speculative_tokens (1-16) and the target verifies them in one pass.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    # The draft model of "draft" (as `model` names one); None: the served model quantized to int4.
+    draft_model: str | None = None
+    # No speculation in a step whose decoding sequences exceed this many: a full batch is
+    # compute-bound, and the pass over rejected drafts costs more than it saves.
+    speculative_max_batch: int = 8
     # Where converted weights and tokenizers are kept (None: ~/.cache/llm-platform).
     cache_dir: str | None = None
 
@@ -134,6 +147,14 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
                               setting="quantization")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}",
+                              setting="speculative")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be 1-{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+                              setting="num_speculative_tokens")
+        if self.speculative_max_batch < 0:
+            raise ConfigError("speculative_max_batch must not be negative", setting="speculative_max_batch")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size must be a positive power of two", setting="block_size")
         if self.max_num_seqs < 1:

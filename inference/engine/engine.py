@@ -19,11 +19,11 @@ import torch
 from inference.engine.api import EngineStats, Lane, LaneStats, RequestOutput, SamplingParams
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig, resolve_device, resolve_dtype
-from inference.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+from inference.engine.errors import ConfigError, DuplicateRequestError, InvalidRequestError, QueueFullError
 from inference.engine.loader import load_model
 from inference.engine.model_runner import ModelRunner, SampledToken
 from inference.engine.models.llama import LlamaModel
-from inference.engine.scheduler import Scheduler, SchedulerOutput
+from inference.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from inference.engine.sequence import Sequence
 from inference.engine.stops import StopMatcher
 from inference.engine.grammar import GrammarEngineFailure, guarded
@@ -40,6 +40,11 @@ class Counters:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    # Speculative decoding, by lane: verifying passes (a sequence's step with a draft), draft
+    # tokens proposed, and those the target accepted.
+    spec_passes: Counter = field(default_factory=Counter)
+    spec_draft_tokens: Counter = field(default_factory=Counter)
+    spec_accepted_tokens: Counter = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,21 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer | None = None
     name: str = ""
+    draft: LlamaModel | None = None  # the draft model of speculative "draft"
+
+
+def _draft_model(config: EngineConfig, loaded: LoadedModel) -> LlamaModel | None:
+    """The draft model speculative "draft" runs, checked against the target; None otherwise."""
+    if config.speculative != "draft":
+        return None
+    if loaded.draft is None:
+        raise ConfigError("speculative 'draft' needs a draft model (INFERENCE_DRAFT_MODEL)", setting="draft_model")
+    ours, theirs = loaded.model.config.vocab_size, loaded.draft.config.vocab_size
+    if ours != theirs:
+        # Rejection sampling compares the two distributions token by token.
+        raise ConfigError(f"the draft model (INFERENCE_DRAFT_MODEL) has a vocabulary of {theirs} tokens, "
+                          f"the served model {ours}: they must be the same", setting="draft_model")
+    return loaded.draft
 
 
 class Runner(Protocol):
@@ -97,13 +117,15 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        block_bytes = config.block_size * mc.kv_bytes_per_token(model.dtype)
+        draft = _draft_model(config, loaded)
+        # A draft model keeps its own keys and values in the same blocks: a block costs both.
+        block_bytes = config.block_size * sum(m.config.kv_bytes_per_token(m.dtype) for m in (model, draft) if m is not None)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         num_swap_blocks = config.swap_space_bytes // block_bytes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(config, self.block_manager, clock=clock)
         self.runner = make_runner(model, num_blocks=num_blocks, block_size=config.block_size, seed=config.seed,
-                                  num_swap_blocks=num_swap_blocks)
+                                  num_swap_blocks=num_swap_blocks, **({"draft": draft} if draft is not None else {}))
         self.tokens_per_s = 0.0  # recent throughput (decaying peak), reported in stats
         self.step_s = 0.0  # recent duration of a step that computed tokens (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
@@ -118,9 +140,14 @@ class LLMEngine:
         tokenizer, a KV cache sized by the config and a ModelRunner over it. Raises ConfigError
         for a device or dtype this machine cannot use, or a model architecture it cannot run."""
         device = resolve_device(config.device)
-        model, source = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.kernels,
-                                   config.quantization)
-        return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name))
+        dtype = resolve_dtype(config.dtype, device)
+        model, source = load_model(config.model, dtype, device, config.cache_dir, config.kernels, config.quantization)
+        draft = None
+        if config.speculative == "draft":
+            # By default the served model itself at int4: a real draft and target pair from one file.
+            draft, _ = load_model(config.draft_model or config.model, dtype, device, config.cache_dir, config.kernels,
+                                  "int4" if config.draft_model is None else "none")
+        return cls(config, LoadedModel(model, Tokenizer.load(source, config.cache_dir), source.name, draft))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -338,27 +365,54 @@ class LLMEngine:
         c.steps += 1
         c.computed_tokens += schedule.num_batched_tokens
         c.prefix_hit_tokens += schedule.num_prefix_hit_tokens
+        by_seq: dict[int, list[SampledToken]] = {}
+        for s in sampled:
+            by_seq.setdefault(id(s.seq), []).append(s)
         for item in schedule.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            if item.num_draft:
+                self._settle_draft(item, len(by_seq[id(item.seq)]) - 1)
         outputs = []
+        for tokens in by_seq.values():
+            outputs.append(self._emit(tokens[0].seq, tokens))
+        return outputs
+
+    def _settle_draft(self, item: ScheduledSeq, accepted: int) -> None:
+        """The accepted draft tokens' keys and values are in the cache; the rejected ones' slots
+        are not: their blocks go back, so none is ever keyed into the prefix cache."""
+        seq = item.seq
+        seq.num_computed_tokens += accepted
+        # The draft model's cache holds its proposals' keys and values: the accepted ones stay.
+        seq.draft_computed_tokens = min(seq.draft_computed_tokens, seq.num_computed_tokens)
+        self.block_manager.release_tail(seq, seq.num_computed_tokens)
+        c = self.counters
+        c.spec_passes[seq.lane] += 1
+        c.spec_draft_tokens[seq.lane] += item.num_draft
+        c.spec_accepted_tokens[seq.lane] += accepted
+
+    def _emit(self, seq: Sequence, sampled: list[SampledToken]) -> RequestOutput:
+        """Append a step's tokens for `seq` (several when it speculated), up to the first that
+        finishes it: nothing after a stop or the length limit is emitted or counted."""
+        emitted, texts, reason, error = [], [], None, None
         for s in sampled:
-            seq = s.seq
             seq.append_token(s.token_id)
-            c.generated_tokens += 1
+            emitted.append(s.token_id)
+            self.counters.generated_tokens += 1
             if s.logprob is not None:
                 seq.pending_logprobs.append(s.logprob)
             reason = self._stop_reason(seq, s.token_id)
-            error = None
             if seq.matcher is not None:
                 reason, error = self._grammar_step(seq, s.token_id, reason)
             text, reason = self._text_delta(seq, s.token_id, reason)
+            texts.append(text)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-                c.finished_requests += 1
-            out = self._output(seq, (s.token_id,), text, finished=reason is not None)
-            outputs.append(replace(out, error=error, error_kind="grammar") if error else out)
-        return outputs
+                break
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+            self.counters.finished_requests += 1
+        out = self._output(seq, tuple(emitted), "".join(texts), finished=reason is not None)
+        return replace(out, error=error, error_kind="grammar") if error else out
 
     @staticmethod
     def _grammar_step(seq: Sequence, token_id: int, reason: str | None) -> tuple[str | None, str | None]:
@@ -463,7 +517,9 @@ class LLMEngine:
             if sched.policy.effective_lane(seq, now) < seq.lane:
                 aged_up[seq.lane] += 1
         running, swapped = Counter(s.lane for s in sched.running), Counter(s.lane for s in sched.swapped)
-        lanes = {lane: LaneStats(waiting=waiting[lane], running=running[lane], swapped=swapped[lane], aged_up=aged_up[lane])
+        lanes = {lane: LaneStats(waiting=waiting[lane], running=running[lane], swapped=swapped[lane], aged_up=aged_up[lane],
+                                 spec_passes=c.spec_passes[lane], spec_draft_tokens=c.spec_draft_tokens[lane],
+                                 spec_accepted_tokens=c.spec_accepted_tokens[lane])
                  for lane in Lane}
         return EngineStats(
             lanes=MappingProxyType(lanes),

@@ -18,6 +18,11 @@ endpoint serves.
 | `llm_engine_swap_blocks_used` | gauge | | host swap blocks in use |
 | `llm_engine_preemptions_total` | counter | mode | preemptions, by `recompute` or `swap` |
 | `llm_engine_prefix_cache_hit_tokens_total` | counter | | prompt tokens served from the prefix cache |
+| `llm_engine_spec_passes_total` | counter | lane | sequence steps that verified a speculative draft |
+| `llm_engine_spec_draft_tokens_total` | counter | lane | speculative draft tokens proposed |
+| `llm_engine_spec_accepted_tokens_total` | counter | lane | draft tokens the target accepted |
+| `llm_engine_spec_acceptance_ratio` | gauge | | accepted / proposed draft tokens since the engine started |
+| `llm_engine_spec_tokens_per_pass` | gauge | | tokens a speculating sequence's step yields since the engine started: 1 + accepted / passes |
 | `llm_engine_prompt_tokens_total` | counter | tenant | prompt tokens of requests the engine accepted |
 | `llm_engine_generation_tokens_total` | counter | tenant | output tokens generated |
 | `llm_engine_requests_finished_total` | counter | reason | requests ended: stop, length, abort, error |
@@ -68,6 +73,14 @@ class EngineMetrics:
         self.swap_blocks_used = Gauge("llm_engine_swap_blocks_used", "Host swap blocks in use", registry=r)
         self.preemptions = Counter("llm_engine_preemptions", "Preemptions by mode", ["mode"], registry=r)
         self.prefix_hit_tokens = Counter("llm_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.spec_passes = Counter("llm_engine_spec_passes", "Sequence steps that verified a speculative draft", ["lane"],
+                                   registry=r)
+        self.spec_draft_tokens = Counter("llm_engine_spec_draft_tokens", "Speculative draft tokens proposed", ["lane"], registry=r)
+        self.spec_accepted_tokens = Counter("llm_engine_spec_accepted_tokens", "Draft tokens the target accepted", ["lane"],
+                                            registry=r)
+        self.spec_acceptance = Gauge("llm_engine_spec_acceptance_ratio", "Accepted / proposed draft tokens", registry=r)
+        self.spec_tokens_per_pass = Gauge("llm_engine_spec_tokens_per_pass", "Tokens a speculating sequence's step yields",
+                                          registry=r)
         self.prompt_tokens = Counter("llm_engine_prompt_tokens", "Prompt tokens of accepted requests", ["tenant"], registry=r)
         self.generation_tokens = Counter("llm_engine_generation_tokens", "Output tokens generated", ["tenant"], registry=r)
         self.finished = Counter("llm_engine_requests_finished", "Requests ended, by finish reason", ["reason"], registry=r)
@@ -89,6 +102,9 @@ class EngineMetrics:
         self._last_totals: dict[str, int] = {}
         for mode in PREEMPTION_MODES:
             self.preemptions.labels(mode=mode)  # export zeros, so rate() sees the series from the start
+        for lane in Lane:
+            for counter in (self.spec_passes, self.spec_draft_tokens, self.spec_accepted_tokens):
+                counter.labels(lane=lane.label)
 
     # -- fed by the engine thread --------------------------------------------------------------
 
@@ -107,6 +123,13 @@ class EngineMetrics:
         self._add_delta("preemptions_swap", stats.preemptions_swap, self.preemptions.labels(mode="swap"))
         self._add_delta("preemptions_recompute", stats.preemptions_recompute, self.preemptions.labels(mode="recompute"))
         self._add_delta("prefix_hit_tokens", stats.prefix_hit_tokens, self.prefix_hit_tokens)
+        for lane, counts in stats.lanes.items():
+            self._add_delta(f"spec_passes_{lane.label}", counts.spec_passes, self.spec_passes.labels(lane=lane.label))
+            self._add_delta(f"spec_draft_{lane.label}", counts.spec_draft_tokens, self.spec_draft_tokens.labels(lane=lane.label))
+            self._add_delta(f"spec_accepted_{lane.label}", counts.spec_accepted_tokens,
+                            self.spec_accepted_tokens.labels(lane=lane.label))
+        self.spec_acceptance.set(stats.spec_acceptance_rate)
+        self.spec_tokens_per_pass.set(stats.spec_tokens_per_pass)
 
     def _add_delta(self, key: str, total: int, counter) -> None:
         last = self._last_totals.get(key, 0)

@@ -35,7 +35,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on rows that sample; returns probabilities."""
     device = logits.device
     temps = torch.tensor([s.params.temperature for s in seqs], device=device, dtype=logits.dtype)
@@ -63,7 +63,7 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of `probs` ([rows, vocab], rows need not sum to 1), by the exponential
     race: each row's largest p / E, with E = -log U and U uniform from the row's own generator,
     so a seeded request draws the same tokens whatever its batch neighbours.
@@ -104,8 +104,8 @@ def sample(
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = [seqs[i] for i in sampled]
-        probs = _filter(logits[sampled], rows)
-        tokens[torch.tensor(sampled, device=logits.device)] = _draw(probs, [s.generator or generator for s in rows])
+        probs = filter_probs(logits[sampled], rows)
+        tokens[torch.tensor(sampled, device=logits.device)] = draw(probs, [s.generator or generator for s in rows])
 
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)

@@ -41,6 +41,7 @@ from inference.engine.api import Lane
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.sequence import Sequence, SequenceStatus
+from inference.engine.speculative import propose_ngram, speculates
 
 
 class Policy:
@@ -155,12 +156,22 @@ def make_policy(config: EngineConfig) -> Policy:
 class ScheduledSeq:
     seq: Sequence
     start: int  # seq.num_computed_tokens when scheduled
-    num_new_tokens: int
+    num_new_tokens: int  # of the sequence's own tokens
+    # Speculative tokens computed after them (a decode only), which the target verifies: the
+    # tokens themselves when the scheduler proposed them (ngram), else the draft model proposes
+    # num_draft of them in the runner.
+    num_draft: int = 0
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last known token, so a new token is sampled."""
         return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        """What the model computes for it this step: its new tokens and the draft."""
+        return self.num_new_tokens + self.num_draft
 
 
 @dataclass(frozen=True)
@@ -255,7 +266,7 @@ class Scheduler:
         if policy.preempts_for_admission():
             self._preempt_for_better_lanes(now, step)
         head, sitting_out, crowds = self._sitting_out(now, step)
-        self._schedule_running(now, step, sitting_out)
+        self._schedule_running(now, step, sitting_out, self._speculation_width())
 
         bm = self.block_manager
         entered = [b for s in step.scheduled for b in bm.commit_blocks(s.seq, s.start + s.num_new_tokens)]
@@ -349,13 +360,42 @@ class Scheduler:
         return frozenset(t for t, n in counts.items() if t != head.tenant_id and n >= least and n > theirs
                          and self._step_no - self._crowd_sat_out.get(t, -every) >= every)
 
-    def _schedule_running(self, now: float, step: _Step, sitting_out: frozenset[Sequence] = frozenset()) -> None:
+    def _speculation_width(self) -> int:
+        """Draft tokens a decoding sequence may propose this step: 0 when speculation is off, or
+        when more sequences decode than speculative_max_batch (a compute-bound batch)."""
+        config = self.config
+        if config.speculative == "off":
+            return 0
+        decoding = sum(1 for s in self.running if not s.paused and s.num_computed_tokens == s.num_tokens - 1)
+        return config.num_speculative_tokens if decoding <= config.speculative_max_batch else 0
+
+    def _draft(self, seq: Sequence, width: int, step: _Step) -> tuple[int, ...]:
+        """`seq`'s proposal for this decode step, cut to what its max_tokens, the step's budget
+        and the free blocks allow: speculation never preempts anyone."""
+        room = min(width, seq.params.max_tokens - seq.num_output_tokens - 1, step.budget - 1)
+        if room <= 0 or not speculates(seq):
+            return ()
+        # A draft model proposes in the runner, always all it may: reserve room for them.
+        draft = propose_ngram(seq.token_ids, room) if self.config.speculative == "ngram" else [0] * room
+        while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
+            draft.pop()
+        return tuple(draft)
+
+    def _schedule_running(self, now: float, step: _Step, sitting_out: frozenset[Sequence] = frozenset(),
+                          width: int = 0) -> None:
         bm = self.block_manager
         i = 0
         while i < len(self.running) and step.budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, seq.num_computed_tokens, step)
             if seq.paused or seq in sitting_out or num_new == 0:
+                i += 1
+                continue
+            decoding = num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+            draft = self._draft(seq, width, step) if width and decoding else ()
+            if draft and bm.allocate(seq, 1 + len(draft)):
+                tokens = draft if self.config.speculative == "ngram" else ()
+                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, 1, len(draft), tokens))
                 i += 1
                 continue
             while not bm.allocate(seq, num_new):
@@ -398,7 +438,7 @@ class Scheduler:
 
     def _take(self, step: _Step, item: ScheduledSeq) -> None:
         step.scheduled.append(item)
-        step.budget -= item.num_new_tokens
+        step.budget -= item.num_query_tokens
         step.tenant_seqs[item.seq.tenant_id] += 1
         if item.num_new_tokens > 1:  # a prompt chunk (or a preempted sequence's recompute)
             step.tenant_prefill[item.seq.tenant_id] += item.num_new_tokens
@@ -439,7 +479,7 @@ class Scheduler:
         else:
             # Recompute: the sequence keeps its tokens and arrival time and prefills again.
             bm.free(seq)
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.draft_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
             self.preemptions["recompute"] += 1

@@ -39,6 +39,9 @@ class Sequence:
     seq_no: int = 0  # admission order, the tie-breaker between equal arrival times
     token_ids: list[int] = field(init=False)  # prompt then output
     num_computed_tokens: int = 0
+    # Tokens whose keys and values the draft model (speculative "draft") has in its own cache,
+    # in the same blocks: it catches up from here before it proposes.
+    draft_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission that its tenant had before
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this sequence's full, computed blocks

@@ -156,6 +156,25 @@ def test_twenty_concurrent_submits_from_one_loop_all_complete(serve):
     run(main())
 
 
+def test_speculating_streams_deliver_every_token_once_in_order(serve):
+    prompts = [[5, 9, 11, 5, 9, 11, 5, 9], [3] * 5, [7, 8, 7, 8, 7]]
+    expected = baseline(prompts, greedy(40))
+    ae = serve(tiny_engine(num_blocks=128, speculative="ngram"))
+
+    async def one(i):
+        return await collect(await ae.submit(f"s{i}", prompts[i], greedy(40)))
+
+    async def main():
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        assert [tokens for tokens, _ in results] == expected
+        assert all(outputs[-1].num_output_tokens == 40 for _, outputs in results)
+        await until(lambda: idle(ae), what="an idle engine")
+        assert ae.stats().spec_accepted_tokens > 0
+        assert ae.stats().generated_tokens == 40 * len(prompts)
+
+    run(main())
+
+
 def test_a_slow_reader_gets_merged_deltas_with_every_token(serve):
     prompt = [1, 2, 3]
     (expected,) = baseline([prompt], greedy(40))

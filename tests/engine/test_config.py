@@ -83,8 +83,11 @@ def test_an_unknown_kernels_choice_is_a_config_error_not_a_bad_request():
         assert EngineConfig(kernels=choice).kernels == choice
 
 
-@pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_seqs=0), dict(policy="random"), dict(tenant_queue_share=0)],
-                         ids=["block_size", "max_num_seqs", "policy", "tenant_queue_share"])
+@pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_seqs=0), dict(policy="random"), dict(tenant_queue_share=0),
+                                 dict(speculative="eagle"), dict(num_speculative_tokens=0), dict(num_speculative_tokens=17),
+                                 dict(speculative_max_batch=-1)],
+                         ids=["block_size", "max_num_seqs", "policy", "tenant_queue_share", "speculative",
+                              "num_speculative_tokens-0", "num_speculative_tokens-17", "speculative_max_batch"])
 def test_every_invalid_engine_setting_is_a_config_error(bad):
     assert _config_error(lambda: EngineConfig(**bad)).setting == next(iter(bad))
 

@@ -70,6 +70,23 @@ def test_engine_totals_become_counter_increments():
     assert value(m, "llm_engine_prefix_cache_hit_tokens_total") == 20
 
 
+def test_speculative_totals_become_counters_by_lane_and_their_ratios_gauges():
+    m = EngineMetrics()
+    lanes = {lane: LaneStats() for lane in Lane}
+    m.observe_stats(EngineStats(lanes={**lanes, Lane.REALTIME: LaneStats(spec_passes=4, spec_draft_tokens=16,
+                                                                          spec_accepted_tokens=6)}))
+    m.observe_stats(EngineStats(lanes={**lanes, Lane.REALTIME: LaneStats(spec_passes=10, spec_draft_tokens=40,
+                                                                          spec_accepted_tokens=30),
+                                       Lane.BATCH: LaneStats(spec_passes=1, spec_draft_tokens=4)}))
+    assert value(m, "llm_engine_spec_passes_total", lane="P0") == 10
+    assert value(m, "llm_engine_spec_draft_tokens_total", lane="P0") == 40
+    assert value(m, "llm_engine_spec_accepted_tokens_total", lane="P0") == 30
+    assert value(m, "llm_engine_spec_draft_tokens_total", lane="P2") == 4
+    assert value(m, "llm_engine_spec_accepted_tokens_total", lane="P1") == 0  # exported before any
+    assert value(m, "llm_engine_spec_acceptance_ratio") == 30 / 44
+    assert value(m, "llm_engine_spec_tokens_per_pass") == 1 + 30 / 11
+
+
 def test_preemptions_are_counted_by_mode():
     m = EngineMetrics()
     m.observe_stats(EngineStats(preemptions=3, preemptions_recompute=2, preemptions_swap=1))

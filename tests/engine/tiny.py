@@ -83,11 +83,13 @@ def tiny_engine(
     clock: ManualClock | None = None,
     swap_space_bytes: int = 64 * 1024,
     make_runner: RunnerFactory = ModelRunner,
+    draft: LlamaModel | None = None,
     **overrides,
 ) -> LLMEngine:
     """A tiny-model engine on a manual clock (arrival times in tests are on that clock),
     with a swap pool sized for tiny models rather than the 1 GiB default. `make_runner`:
-    the runner seam (`fake_runner(SumRunner())`, or a wrapper around the real ModelRunner)."""
+    the runner seam (`fake_runner(SumRunner())`, or a wrapper around the real ModelRunner);
+    `draft`: the draft model of speculative "draft"."""
     config = EngineConfig(
         swap_space_bytes=swap_space_bytes,
         num_blocks=num_blocks,
@@ -96,7 +98,7 @@ def tiny_engine(
         max_num_seqs=max_num_seqs,
         **overrides,
     )
-    return LLMEngine(config, LoadedModel(tiny_model()), make_runner=make_runner, clock=clock or ManualClock())
+    return LLMEngine(config, LoadedModel(tiny_model(), draft=draft), make_runner=make_runner, clock=clock or ManualClock())
 
 
 def fake_runner(runner) -> RunnerFactory:

@@ -58,6 +58,22 @@ def test_a_bad_quantization_fails_the_system_checks_and_the_checks_know_the_engi
         call_command("check")
 
 
+@pytest.mark.parametrize("key, value, says", [
+    ("SPECULATIVE", "eagle", "INFERENCE_SPECULATIVE must be one of off, ngram, draft"),
+    ("NUM_SPECULATIVE_TOKENS", 0, "INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-16"),
+    ("NUM_SPECULATIVE_TOKENS", 17, "INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-16"),
+    ("SPECULATIVE_MAX_BATCH", -1, "INFERENCE_SPECULATIVE_MAX_BATCH must not be negative"),
+])
+def test_a_bad_speculative_setting_fails_the_system_checks_naming_it(settings, key, value, says):
+    from inference import checks
+    from inference.engine import config
+
+    assert (checks.SPECULATIVE_MODES, checks.MAX_SPECULATIVE_TOKENS) == (config.SPECULATIVE_MODES, config.MAX_SPECULATIVE_TOKENS)
+    settings.INFERENCE = {**settings.INFERENCE, key: value}
+    with pytest.raises(SystemCheckError, match=says):
+        call_command("check")
+
+
 @pytest.mark.parametrize("name, value", [("LIMITS_REDIS_TIMEOUT_S", 0), ("LIMITS_FALLBACK_SHARE", 1.5),
                                          ("LIMITS_FALLBACK_SHARE", -0.1)])
 def test_a_limits_fallback_setting_out_of_range_fails_the_system_checks(settings, name, value):

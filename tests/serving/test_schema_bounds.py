@@ -173,3 +173,11 @@ def test_prompt_cache_key_is_accepted_within_its_published_length(schemas):
         parse(body(prompt_cache_key="k" * protocol.MAX_PROMPT_CACHE_KEY_CHARS))
         for bad in ("", "k" * (protocol.MAX_PROMPT_CACHE_KEY_CHARS + 1), 7):
             assert refused(parse, body(prompt_cache_key=bad)).param == "prompt_cache_key"
+
+
+def test_the_speculative_opt_out_is_published_and_reaches_the_engine(schemas):
+    assert schemas["ChatCompletionRequestRequest"]["properties"]["speculative"]["type"] == "boolean"
+    assert protocol.parse_chat(chat()).sampling_params(8).speculative is True
+    assert protocol.parse_chat(chat(speculative=False)).sampling_params(8).speculative is False
+    assert protocol.parse_completion({"prompt": "hi", "speculative": False}).sampling_params(8).speculative is False
+    assert refused(protocol.parse_chat, chat(speculative="no")).param == "speculative"
