@@ -26,12 +26,12 @@ def reference_tokens(hf_reference, chat_prompt_ids):
     return out
 
 
-def _filler_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+def _filler_prompts(tokenizer, n: int, seed: int, max_words: int = 120) -> list[list[int]]:
     rng = random.Random(seed)
     words = "river mountain code tensor garden violin orbit lantern harbor puzzle".split()
     prompts = []
     for _ in range(n):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 120)))
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, max_words)))
         prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"Summarise: {text}"}]))
     return prompts
 

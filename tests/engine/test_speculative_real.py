@@ -3,7 +3,8 @@ model at int4 as draft: greedy output token for token what the engine gives with
 tests/engine/test_real_model.py holds to `transformers`, alone, in a batch and preempted).
 
 Kept to one run alone and one batch per mode on a 2-core machine: a batch of 32 verifying 4 draft
-tokens each computes 160 tokens a step (~100 s for the batch, against ~75 s without speculation)."""
+tokens each computes 160 tokens a step (~100 s for the batch, against ~75 s without speculation),
+so the batch verifies 2 draft tokens and its fillers are shorter (1-40 words, not 1-120)."""
 
 from __future__ import annotations
 
@@ -55,12 +56,12 @@ def test_greedy_alone_is_token_identical(speculating, chat_prompt_ids, unspecula
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_greedy_in_a_preempted_batch_of_32_is_token_identical(speculating, smollm, chat_prompt_ids, unspeculated, mode):
     _, tokenizer = smollm
-    prompts = _filler_prompts(tokenizer, 27, seed=1)
+    prompts = _filler_prompts(tokenizer, 27, seed=1, max_words=40)
     for i, ids in enumerate(chat_prompt_ids):
         prompts.insert(i * 6, ids)
     # 120 blocks cannot hold the batch: sequences are preempted and recomputed. Speculating
     # with every batch size (speculative_max_batch 32), so the full batch verifies drafts too.
-    engine = speculating(mode, num_blocks=120, max_num_seqs=32, speculative_max_batch=32)
+    engine = speculating(mode, num_blocks=120, max_num_seqs=32, speculative_max_batch=32, num_speculative_tokens=2)
     completions = engine.generate(prompts, GREEDY_64)
     assert [completions[i * 6].token_ids for i in range(5)] == unspeculated
     stats = engine.stats()
