@@ -32,12 +32,22 @@ def grammar_text(grammar: Grammar) -> str:
             raise InvalidRequestError("the JSON schema is not valid JSON", param=grammar.param) from None
         if not isinstance(schema, dict):
             raise InvalidRequestError("the JSON schema must be an object", param=grammar.param)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        return _converted(grammar, llguidance.LLMatcher.grammar_from_json_schema, schema, overrides=JSON_OPTIONS)
     if grammar.kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+        return _converted(grammar, llguidance.LLMatcher.grammar_from_lark, grammar.source)
     if grammar.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+        return _converted(grammar, llguidance.LLMatcher.grammar_from_regex, grammar.source)
     raise InvalidRequestError(f"unknown grammar kind {grammar.kind!r}", param=grammar.param)
+
+
+def _converted(grammar: Grammar, convert, *args, **kwargs) -> str:
+    """llguidance's conversion of a client's grammar, its refusals as InvalidRequestError: it
+    raises ValueError for what it cannot take (an integer past 64 bits in a schema, found by
+    fuzzing, was a 500)."""
+    try:
+        return guarded(convert, *args, **kwargs)
+    except ValueError as exc:
+        raise InvalidRequestError(describe(str(exc)), param=grammar.param) from None
 
 
 def check(grammar: Grammar) -> None:

@@ -137,8 +137,11 @@ def test_a_compiled_grammar_is_kept_by_its_key_and_each_request_gets_a_fresh_cop
     assert second.validate_tokens(smol_tokenizer().hf.encode("{")) == 1
 
 
+# The last: an integer past 64 bits, which llguidance's conversion refuses with a ValueError
+# (schemathesis sent one in a tool's parameters, and it was a 500).
 @pytest.mark.parametrize("schema, part", [({"type": "strnig"}, "strnig"), ({"not": {}}, "not"),
-                                          ({"$ref": "#/defs/missing"}, "/defs/missing")])
+                                          ({"$ref": "#/defs/missing"}, "/defs/missing"),
+                                          ({"enum": [-105628833314754707083036946201575424]}, "105628833314754707083036946201575424")])
 def test_a_schema_the_grammar_engine_cannot_compile_is_refused_naming_what(schema, part):
     with pytest.raises(InvalidRequestError) as caught:
         check(Grammar("json_schema", json.dumps(schema), param="response_format.json_schema.schema"))
