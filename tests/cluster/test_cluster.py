@@ -75,6 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         server.keys, server.tenant_ids = created["keys"], created["ids"]
         yield server, launcher
     finally:
+        server.shell.close()
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGINT)
             try:
