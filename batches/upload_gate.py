@@ -27,7 +27,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from batches.jsonl import too_many_lines
-from inference import http_metrics
+from inference import http_metrics, refusals
 from tenants.authentication import authenticate_bearer
 from tenants.errors import ApiError, missing_scope
 from tenants.models import Scope
@@ -89,6 +89,10 @@ def _refuse(request, error: ApiError, tenant_id: int | None) -> None:
     open a moment is bounded by what its key may do; anonymous ones close at once."""
     http_metrics.count_response(UPLOAD_ENDPOINT, error.status, None if tenant_id is None else str(tenant_id))
     http_metrics.count_refusal(error)
+    header = request.requestHeaders.getRawHeaders(b"authorization")
+    refusals.note(tenant_id=tenant_id, key=refusals.key_prefix(header[0].decode("latin-1") if header else None),
+                  endpoint="/" + UPLOAD_ENDPOINT, status=error.status,
+                  error=error.body()["error"])
     request._key_check = REFUSED
     request._body_refused = True
     transport = request.channel.transport if request.channel is not None else None

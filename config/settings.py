@@ -146,6 +146,9 @@ LIMITS_FALLBACK_SHARE = env.float("LIMITS_FALLBACK_SHARE", default=1.0)
 # alone grants 1/N of a slot limit and a false trip can refuse: 0.1 s, where a loaded 2-core
 # box tripped none in a run of the replica-kill test (12 at 0.05 s).
 LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.05 if LIMITS_FALLBACK_SHARE >= 1 else 0.1)
+# Refused API requests the console's requests tail keeps, newest first, shared by every replica
+# in one Redis list (inference.refusals): ~300 bytes each.
+REFUSALS_KEPT = env.int("REFUSALS_KEPT", default=1000)
 
 # --- Celery (see the pitfalls in docs/design.md) ------------------------------------------
 

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import redis
+from django.conf import settings
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, F, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem
+from inference import refusals
 from tenants import quota
 from tenants.models import ApiKey, Lane, PromptCapture, Tenant, UsageRecord
 
@@ -204,19 +206,90 @@ TAIL_MAX = 500
 TAIL_DEFAULT = 100
 
 
+REFUSED = "refused"
+
+
 @dataclass(frozen=True)
 class TailFilter:
     tenant: str = ""  # a substring of the tenant's name
     endpoint: str = ""  # a substring of the API path ("batch" for batch items)
     lane: int | None = None
-    status: str = ""  # "open" (still running), or a finish reason: stop, length, abort, error
+    # "open" (still running) or a finish reason (stop, length, abort, error): admitted requests;
+    # "refused", or an HTTP status ("429"): refused ones
+    status: str = ""
     key_prefix: str = ""
     limit: int = TAIL_DEFAULT
 
+    @property
+    def refusals_only(self) -> bool:
+        return self.status == REFUSED or self.status.isdigit()
 
-def request_tail(f: TailFilter) -> list[UsageRecord]:
-    """The newest requests across tenants from their usage rows (every request leaves one,
-    aborted ones too): one query, the tenant and key joined."""
+    @property
+    def admitted_only(self) -> bool:
+        # A refusal has no lane: it never reached one.
+        return bool(self.status and not self.refusals_only) or self.lane is not None
+
+
+@dataclass(frozen=True)
+class RefusedRow:
+    """A refused request in the tail, beside the usage rows (inference.refusals)."""
+
+    created: datetime
+    tenant_id: int | None
+    tenant_name: str
+    key_prefix: str
+    endpoint: str
+    status: int
+    code: str
+    message: str
+    duration_ms: int | None
+    refused: bool = True
+
+
+@dataclass(frozen=True)
+class Tail:
+    rows: list  # UsageRecord and RefusedRow, newest first
+    refusals_error: str = ""  # why refusals are missing (Redis did not answer), else ""
+
+
+def request_tail(f: TailFilter) -> Tail:
+    """The newest requests across tenants: the admitted ones from their usage rows (every
+    generation leaves one, aborted ones too), merged with the refused ones (inference.refusals)."""
+    limit = max(1, min(f.limit, TAIL_MAX))
+    rows: list = [] if f.refusals_only else admitted_tail(f, limit)
+    error = ""
+    if not f.admitted_only:
+        try:
+            rows += refused_tail(f, limit)
+        except redis.RedisError as exc:
+            log.warning("console: refusals unreadable: %s: %s", type(exc).__name__, exc)
+            error = f"refused requests are not shown: Redis did not answer ({type(exc).__name__})"
+    rows.sort(key=lambda r: r.created, reverse=True)
+    return Tail(rows[:limit], error)
+
+
+def refused_tail(f: TailFilter, limit: int) -> list[RefusedRow]:
+    """The newest refusals that match `f`: one Redis read, one query for their tenants' names."""
+    found = refusals.newest(settings.REFUSALS_KEPT)
+    names = dict(Tenant.objects.filter(pk__in={r.tenant_id for r in found if r.tenant_id is not None})
+                 .values_list("pk", "name"))
+    prefix = f.key_prefix.removeprefix("sk-").rstrip("_…")
+    rows = []
+    for r in found:
+        name = names.get(r.tenant_id, "")
+        if ((f.tenant and f.tenant.lower() not in name.lower()) or (f.endpoint and f.endpoint.lower() not in r.endpoint.lower())
+                or (prefix and not r.key_prefix.startswith(prefix)) or (f.status.isdigit() and str(r.status) != f.status)):
+            continue
+        rows.append(RefusedRow(created=datetime.fromtimestamp(r.at, dt_timezone.utc), tenant_id=r.tenant_id,
+                               tenant_name=name, key_prefix=r.key_prefix, endpoint=r.endpoint, status=r.status,
+                               code=r.code or r.type, message=r.message, duration_ms=r.duration_ms))
+        if len(rows) == limit:
+            break
+    return rows
+
+
+def admitted_tail(f: TailFilter, limit: int) -> list[UsageRecord]:
+    """The newest admitted requests from their usage rows: one query, the tenant and key joined."""
     # `captured`: the prompt, where the tenant's debug capture (off by default) stored one.
     captured = PromptCapture.objects.filter(tenant=OuterRef("tenant"), request_id=OuterRef("request_id")).values("prompt")
     rows = UsageRecord.objects.select_related("tenant", "api_key").only(
@@ -235,7 +308,7 @@ def request_tail(f: TailFilter) -> list[UsageRecord]:
         rows = rows.filter(closed=True, finish_reason__contains=f.status)
     if f.key_prefix:
         rows = rows.filter(api_key__prefix__startswith=f.key_prefix.removeprefix("sk-").rstrip("_…"))
-    return list(rows.order_by("-created", "-pk")[:max(1, min(f.limit, TAIL_MAX))])
+    return list(rows.order_by("-created", "-pk")[:limit])
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from functools import wraps
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.core.exceptions import PermissionDenied
@@ -246,8 +247,10 @@ def requests_tail(request: HttpRequest) -> HttpResponse:
     """The newest requests across tenants; `?rows=1` renders the table body alone, which the
     page fetches every two seconds to stay live."""
     tail = _tail_filter(request.GET)
-    context = {"section": "requests", "rows": queries.request_tail(tail), "filter": tail, "lanes": Lane.choices,
-               "limit_max": queries.TAIL_MAX}
+    found = queries.request_tail(tail)
+    context = {"section": "requests", "rows": found.rows, "refusals_error": found.refusals_error, "filter": tail,
+               "lanes": Lane.choices, "limit_max": queries.TAIL_MAX, "refusals_kept": settings.REFUSALS_KEPT,
+               "refusal_statuses": ("400", "401", "403", "404", "413", "429", "503")}
     if request.GET.get("rows") == "1":
         return render(request, "console/_request_rows.html", context)
     return render(request, "console/requests.html", context)

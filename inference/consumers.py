@@ -28,7 +28,7 @@ from django import db
 from django.conf import settings
 
 from config import request_ids
-from inference import formatting, protocol
+from inference import formatting, http_metrics, protocol
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
 from inference.host import host
@@ -182,6 +182,15 @@ class EngineHttpConsumer(NoSharedThreadDispatch, AsyncHttpConsumer):
 
     # -- shared pieces --------------------------------------------------------------------
 
+    async def start_generation(self, gen: Generation) -> None:
+        """Admit `gen`. Once a choice of it reached the engine its usage row tells how it ended,
+        so an error answered after that is not also listed as a refusal (inference.refusals)."""
+        try:
+            await gen.start()
+        finally:
+            if gen.choices:
+                http_metrics.note_billed(self.scope)
+
     def caller(self) -> Caller:
         return Caller(tenant=self.scope["tenant"], api_key=self.scope.get("api_key"),
                       rate_limit=self.scope.get("rate_limit"))
@@ -226,7 +235,7 @@ class OpenAIConsumer(EngineHttpConsumer):
                          id_prefix="chatcmpl" if self.kind == "chat" else "cmpl", lane_override=self.lane,
                          metered=self.metered, request_id=self.request_id(), endpoint=self.endpoint(), **self.billing())
         try:
-            await gen.start()
+            await self.start_generation(gen)
             headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",
                        **gen.rate_limit_headers()}
             if request.stream:
@@ -277,7 +286,7 @@ class PlatformChatConsumer(EngineHttpConsumer):
         priority = self._priority_header()
         gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True, endpoint=self.scope["path"])
         try:
-            await gen.start()
+            await self.start_generation(gen)
             headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",
                        **gen.rate_limit_headers()}
             await self.start_stream(headers)

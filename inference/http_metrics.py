@@ -40,6 +40,7 @@ from prometheus_client.core import GaugeMetricFamily
 from batches.models import BatchItem
 from config import redis as shared_redis
 from config.celery import app as celery_app
+from inference import refusals
 from tenants.errors import ApiError
 from tenants.models import ApiKey
 
@@ -66,17 +67,25 @@ for _kind in LIMIT_KINDS:
 class Seen:
     """What the layers below `ResponseMetrics` learn about one request."""
 
-    __slots__ = ("endpoint", "tenant")
+    __slots__ = ("endpoint", "tenant", "billed")
 
     def __init__(self) -> None:
         self.endpoint = UNMATCHED
         self.tenant = NO_TENANT
+        self.billed = False  # a generation ran for it: its usage row shows it, whatever the status
 
 
 def note_tenant(scope: dict, tenant_id: str) -> None:
     seen = scope.get(SCOPE_KEY)
     if seen is not None:
         seen.tenant = tenant_id
+
+
+def note_billed(scope: dict) -> None:
+    """The request has a usage row: an error it ends with is not also a refusal (inference.refusals)."""
+    seen = scope.get(SCOPE_KEY)
+    if seen is not None:
+        seen.billed = True
 
 
 def limit_kind(type_: str | None, code: str | None) -> str:
@@ -112,7 +121,9 @@ def _count_429_body(body: bytes) -> None:
 
 class ResponseMetrics:
     """ASGI: counts each HTTP response when its status goes out, each WebSocket handshake when it
-    is answered, and a 500 for a request whose application raised before either."""
+    is answered, and a 500 for a request whose application raised before either. An error
+    answered on a tenant-facing path to a request without a usage row is kept for the console's
+    requests tail (inference.refusals)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -122,22 +133,33 @@ class ResponseMetrics:
             return await self.app(scope, receive, send)
         seen = Seen()
         answered = False
-        body_of_429 = False
+        error_status = 0  # of an HTTP error answer whose body comes next
+        started = time.monotonic()
+        watched = scope["type"] == "http" and refusals.tenant_facing(scope.get("path", ""))
 
         def count(status: int) -> None:
             nonlocal answered
             answered = True
             RESPONSES.labels(endpoint=seen.endpoint, status=str(status), tenant=seen.tenant).inc()
 
+        def refused(status: int, body: bytes) -> None:
+            if not seen.billed:
+                refusals.note(tenant_id=seen.tenant, key=refusals.key_prefix(_authorization(scope)),
+                              endpoint=scope["path"], status=status, body=body, started=started)
+
         async def observed(message: dict) -> None:
-            nonlocal body_of_429
+            nonlocal error_status
             kind = message["type"]
             if kind == "http.response.start":
                 count(message["status"])
-                body_of_429 = message["status"] == 429
-            elif kind == "http.response.body" and body_of_429:
-                body_of_429 = False  # every refusal writes its small JSON body in one message
-                _count_429_body(message.get("body", b""))
+                error_status = message["status"] if message["status"] >= 400 else 0
+            elif kind == "http.response.body" and error_status:
+                # Every error writes its small JSON body in one message.
+                body, status, error_status = message.get("body", b""), error_status, 0
+                if status == 429:
+                    _count_429_body(body)
+                if watched:
+                    refused(status, body)
             elif not answered and kind in ("websocket.accept", "websocket.close"):
                 count(101 if kind == "websocket.accept" else 403)
             await send(message)
@@ -147,7 +169,16 @@ class ResponseMetrics:
         except Exception:
             if not answered:
                 count(500)
+                if watched:
+                    refused(500, b"")
             raise
+
+
+def _authorization(scope: dict) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"authorization":
+            return value.decode("latin-1")
+    return None
 
 
 class _Named:

@@ -39,7 +39,7 @@ import time
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from inference import http_metrics, protocol
+from inference import http_metrics, protocol, refusals
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
 from inference.streaming import engine_failure
@@ -260,7 +260,7 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
             try:
                 await gen.start()
             except ApiError as error:
-                return await self._error(gen_id, error)
+                return await self._error(gen_id, error, billed=bool(gen.choices))
             async for batch in gen.events():
                 for choice, out in batch:
                     if out.new_text or out.new_token_ids:
@@ -268,13 +268,14 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
                         seq += 1
                     if out.error:
                         await gen.close()
-                        return await self._error(gen_id, engine_failure(out.error))
+                        return await self._error(gen_id, engine_failure(out.error), billed=True)
         except asyncio.CancelledError:
             cancelled = True
         except Exception:
             log.exception("websocket generation %s failed", gen_id)
             await gen.close()
-            return await self._error(gen_id, ApiError(500, "The server had an error.", type="server_error"))
+            return await self._error(gen_id, ApiError(500, "The server had an error.", type="server_error"),
+                                     billed=bool(gen.choices))
         finally:
             await gen.close()
         # A cancel that came while the generation was being admitted leaves no choices behind.
@@ -288,13 +289,23 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
         except Exception:  # the socket is gone: nothing to tell
             pass
 
-    async def _error(self, gen_id: str | None, error: ApiError) -> None:
+    async def _error(self, gen_id: str | None, error: ApiError, billed: bool = False) -> None:
+        """Refuse or end one generation; `billed`: it ran, and its usage row tells how it ended."""
         http_metrics.count_refusal(error)
+        if not billed:
+            self._note_refusal(error)
         payload = {"type": "error", "id": gen_id, **error.body()}
         retry = error.headers.get("Retry-After")
         if retry:
             payload["retry_after"] = int(retry)
         await self._send(payload)
+
+    def _note_refusal(self, error: ApiError) -> None:
+        api_key = self.caller.api_key if self.caller is not None else None
+        header = next((v.decode("latin-1") for k, v in self.scope.get("headers", ()) if k.lower() == b"authorization"), None)
+        refusals.note(tenant_id=api_key.tenant_id if api_key is not None else None,
+                      key=api_key.prefix if api_key is not None else refusals.key_prefix(header),
+                      endpoint=self.scope["path"], status=error.status, error=error.body()["error"])
 
     async def _send(self, payload: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(payload, ensure_ascii=False))
@@ -302,6 +313,7 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
     async def _close_with(self, error: ApiError, code: int | None = None) -> None:
         """Send the error, then close: with `code`, else 4000 + its HTTP status (4401, 4429)."""
         http_metrics.count_refusal(error)
+        self._note_refusal(error)
         try:
             await self._send({"type": "error", "id": None, **error.body()})
         finally:

@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
-from inference import http_metrics
+from inference import http_metrics, refusals
 from tenants import admission, errors, keys, quota
 from tenants.authentication import authenticate_bearer, bearer_token, note_key_use
 from tenants.limits import Decision
@@ -199,6 +199,10 @@ async def refuse(scope: AsgiScope, receive: Any, send: Any, error: errors.ApiErr
     if message["type"] != "websocket.connect":
         return
     http_metrics.count_refusal(error)  # a frame, not an HTTP status: ResponseMetrics cannot see it
+    seen = scope.get(http_metrics.SCOPE_KEY)
+    refusals.note(tenant_id=seen.tenant if seen is not None else None,
+                  key=refusals.key_prefix(scope_header(scope, b"authorization")), endpoint=scope["path"],
+                  status=error.status, error=error.body()["error"])
     await send({"type": "websocket.accept"})
     await send({"type": "websocket.send", "text": body.decode()})
     await send({"type": "websocket.close", "code": 4000 + error.status})

@@ -2,7 +2,6 @@
 poll to completed, download one result per custom_id."""
 import io
 import json
-import time
 
 from tests.batches.conftest import chat_lines, read_jsonl, wait_for
 

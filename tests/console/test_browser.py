@@ -479,6 +479,15 @@ def test_the_requests_tail_lists_requests_live_and_filters_them(page, platform: 
     expect(page.locator("#requests tbody tr")).to_have_count(before + 1)
     expect(page.locator("#requests tbody tr").first.locator(".status")).to_have_text(re.compile("stop|length"))
     expect(page.locator("#requests tbody tr").first.locator(".captured")).to_have_text("–")  # off by default
+    # A refused request leaves no usage row: it shows all the same, its status the HTTP one.
+    status, refusal = platform.server.post_json("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 100_000}, platform.server.keys["load"])
+    assert status == 400, refusal
+    page.goto("/console/requests/?tenant=load&status=refused")
+    refused = page.locator("#requests tbody tr.refused")
+    expect(refused.first.locator(".status")).to_have_text(f"400 {refusal['error']['code']}")
+    expect(refused.first).to_contain_text("sk-" + platform.server.keys["load"].removeprefix("sk-").split("_")[0])
+    expect(page.locator("#requests tbody tr:not(.refused)")).to_have_count(0)
 
     # Debug capture on for tenant load: its next request's messages show in the tail; off again, they are gone.
     page.goto(f"/console/tenants/{platform.server.tenant_ids['load']}/")

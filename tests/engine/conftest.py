@@ -34,6 +34,19 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def quantized(smollm):
+    """The packaged model in fp32 as each quantization loads it: "none" is `smollm`'s own."""
+    loaded = {"none": smollm[0]}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name], _ = load_model("SmolLM2-135M-Instruct", torch.float32, torch.device("cpu"), quantization=name)
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """`transformers` loading the very same GGUF file."""
     from transformers import AutoModelForCausalLM

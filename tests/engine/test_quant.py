@@ -1,7 +1,7 @@
 """Weight-only quantization (issue 21): the int8 and int4 kernels against their reference, and
 the real model quantized at load against itself unquantized.
 
-The fixed text (data/perplexity.txt, 3,058 tokens) is three sections of Python 3.11's
+The fixed text (data/perplexity.txt, 3,058 tokens, of which the first 2,048 are read) is three sections of Python 3.11's
 documentation (pydoc_data.topics: objects, naming, exceptions; PSF licence).
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from inference.engine.api import SamplingParams
 from inference.engine.config import ConfigError, EngineConfig
 from inference.engine.engine import LLMEngine, LoadedModel
-from inference.engine.loader import load_model
 from kernels import cpu_ext, quant
 from tests.engine.conftest import CHAT_PROMPTS
 
@@ -90,13 +89,9 @@ def test_an_unknown_quantization_is_a_config_error():
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(quantized):
     """The packaged model in fp32: unquantized, int8 and int4 (each loaded from the GGUF)."""
-    loaded = {}
-    for name in ("none", "int8", "int4"):
-        model, source = load_model("SmolLM2-135M-Instruct", torch.float32, torch.device("cpu"), quantization=name)
-        loaded[name] = model
-    return loaded
+    return {name: quantized(name) for name in ("none", "int8", "int4")}
 
 
 def _engine(model, smollm) -> LLMEngine:
@@ -117,8 +112,8 @@ def perplexity(model, smollm, ids: list[int]) -> float:
 
 def test_perplexity_of_int8_within_2_percent_and_int4_within_8_of_unquantized(models, smollm):
     _, tokenizer = smollm
-    ids = tokenizer.encode(TEXT)
-    assert len(ids) >= 2000
+    ids = tokenizer.encode(TEXT)[:2048]  # the issue's 2,000 and more; the whole text is 3,058 (+50% time)
+    assert len(ids) == 2048
     base = perplexity(models["none"], smollm, ids)
     int8 = perplexity(models["int8"], smollm, ids)
     int4 = perplexity(models["int4"], smollm, ids)

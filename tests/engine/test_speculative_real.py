@@ -9,12 +9,10 @@ so the batch verifies 2 draft tokens and its fillers are shorter (1-40 words, no
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inference.engine.api import SamplingParams
 from inference.engine.config import EngineConfig
 from inference.engine.engine import LLMEngine, LoadedModel
-from inference.engine.loader import load_model
 from tests.engine.test_real_model import _filler_prompts
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0)
@@ -31,10 +29,10 @@ def unspeculated(smollm, chat_prompt_ids):
 
 
 @pytest.fixture(scope="module")
-def speculating(smollm):
+def speculating(smollm, quantized):
     """Builds an engine speculating by `mode`; "draft" drafts with the same GGUF at int4."""
     model, tokenizer = smollm
-    draft, _ = load_model("SmolLM2-135M-Instruct", torch.float32, torch.device("cpu"), quantization="int4")
+    draft = quantized("int4")
 
     def make(mode: str, **overrides) -> LLMEngine:
         config = EngineConfig(dtype="float32", speculative=mode, **overrides)

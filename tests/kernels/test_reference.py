@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
 from kernels.activation import silu_and_mul_impl, silu_and_mul_ref

@@ -103,16 +103,17 @@ def closed_by_server(sock: socket.socket) -> bool:
 def usage_rows(live: LiveServer) -> list[dict]:
     return live.django(f"""
 from tenants.models import UsageRecord
-result = [{{"request_id": r.request_id, "completion_tokens": r.completion_tokens, "finish_reason": r.finish_reason}}
+result = [{{"request_id": r.request_id, "completion_tokens": r.completion_tokens, "finish_reason": r.finish_reason,
+           "closed": r.closed}}
           for r in UsageRecord.objects.filter(tenant_id={live.tenant_ids[TENANT]}).order_by("created")]
 """)
 
 
 def new_usage_rows(live: LiveServer, before: list[dict], count: int) -> list[dict]:
-    """The `count` usage rows written since `before` (billing follows the abort by a moment)."""
+    """The `count` usage rows written and completed since `before` (billing follows the abort by a moment)."""
     seen = {row["request_id"] for row in before}
     deadline = time.monotonic() + HANG_GUARD_S
-    while len(rows := [r for r in usage_rows(live) if r["request_id"] not in seen]) < count:
+    while len(rows := [r for r in usage_rows(live) if r["request_id"] not in seen and r["closed"]]) < count:
         assert time.monotonic() < deadline, f"{count - len(rows)} stalled requests were never billed"
         time.sleep(0.5)
     assert len(rows) == count, rows

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 from django.conf import settings
 
 from inference.engine.engine import LLMEngine, LoadedModel

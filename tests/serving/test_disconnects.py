@@ -94,7 +94,8 @@ def _wait_no_leases(live: LiveServer, timeout: float) -> int:
 
 
 def _usage(live: LiveServer, since: datetime, request_ids: set[str]) -> list[dict]:
-    """The tenant's usage rows since `since`, once those of `request_ids` are all there (or 20 s passed)."""
+    """The tenant's usage rows since `since`, once those of `request_ids` are all there and complete
+    (or 20 s passed)."""
     return live.django(f"""
         import time
         from datetime import datetime
@@ -103,8 +104,8 @@ def _usage(live: LiveServer, since: datetime, request_ids: set[str]) -> list[dic
         while True:
             rows = list(UsageRecord.objects.filter(
                 tenant_id={live.tenant_ids[TENANT]}, created__gte=datetime.fromisoformat({since.isoformat()!r}),
-            ).values("request_id", "lane", "prompt_tokens", "completion_tokens", "finish_reason"))
-            if {{r["request_id"] for r in rows}} >= {request_ids!r} or time.monotonic() > deadline:
+            ).values("request_id", "lane", "prompt_tokens", "completion_tokens", "finish_reason", "closed"))
+            if {{r["request_id"] for r in rows if r["closed"]}} >= {request_ids!r} or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         result = rows

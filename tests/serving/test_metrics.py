@@ -11,7 +11,6 @@ import re
 import time
 from pathlib import Path
 
-import pytest
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
