@@ -108,6 +108,7 @@ class PriorityPolicy(Policy):
     def __init__(self, aging_threshold_s: float):
         self.aging = aging_threshold_s
         self.virtual: dict[int, dict[str | None, float]] = defaultdict(dict)
+        self.frontier: dict[int, float] = defaultdict(float)  # per lane: the most any tenant has had
 
     def effective_lane(self, seq: Sequence, now: float) -> int:
         return max(0, seq.lane - int(max(0.0, now - seq.arrival_time) // self.aging))
@@ -134,14 +135,18 @@ class PriorityPolicy(Policy):
 
     def served(self, seq: Sequence, num_tokens: int) -> None:
         lane = self.virtual[seq.lane]
-        lane[seq.tenant_id] = lane.get(seq.tenant_id, 0.0) + num_tokens
+        lane[seq.tenant_id] = served = lane.get(seq.tenant_id, 0.0) + num_tokens
+        self.frontier[seq.lane] = max(self.frontier[seq.lane], served)
 
     def backlogged(self, seq: Sequence, backlog: list[Sequence]) -> None:
-        """`seq` joins the queue: lift its tenant to the least-served backlogged peer."""
+        """`seq` joins the queue: lift its tenant to the least-served backlogged peer or, when
+        nobody else has work in the lane, to the most-served tenant's level. A tenant that
+        arrives while the lane is idle (sixteen requests at once, say) then starts level with
+        tenants served before it, not at zero, which would put it ahead of all of them for as
+        many tokens as they had had."""
         lane = self.virtual[seq.lane]
         peers = [lane.get(s.tenant_id, 0.0) for s in backlog if s.lane == seq.lane and s.tenant_id != seq.tenant_id]
-        if peers:
-            lane[seq.tenant_id] = max(lane.get(seq.tenant_id, 0.0), min(peers))
+        lane[seq.tenant_id] = max(lane.get(seq.tenant_id, 0.0), min(peers) if peers else self.frontier[seq.lane])
 
 
 def make_policy(config: EngineConfig) -> Policy:
@@ -278,7 +283,7 @@ class Scheduler:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 if sitting_out and (policy.yields_to(seq, head) or seq.tenant_id in crowds):
-                    break  # the step that admits the new arrival stays free of what made way for it
+                    continue  # the step that admits the new arrival stays free of what made way for it
                 if self._crowd_room(seq, step) == 0:
                     continue  # its tenant's crowd has had its prompt tokens this step: others may not
                 if seq.status is SequenceStatus.SWAPPED:

@@ -142,6 +142,23 @@ def test_two_p1_tenants_get_equal_token_shares_though_one_sends_ten_times_more()
         assert abs(tokens / total - 0.5) <= 0.5 * 0.2, (tenant, served)
 
 
+def test_a_tenant_arriving_while_the_lane_idles_starts_level_with_those_served_before():
+    """Issue 24's 400 burst: the attacker arrived while the bystander idled and started at zero
+    tokens served, so the bystander, served for a while before, queued behind all of its requests
+    until it had caught up. A tenant arriving to an idle lane starts at the most-served level."""
+    engine = fake_engine(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64)
+    for i in range(10):  # "regular" is served, then idles
+        engine.add_request(f"before-{i}", [i + 1, 1, 2, 3], params(8), lane=1, tenant_id="regular")
+    run_to_completion(engine)
+    for i in range(8):
+        engine.add_request(f"burst-{i}", [i + 1, 4, 5, 6], params(8), lane=1, tenant_id="burst")
+    engine.step()  # the burst holds both slots
+    engine.add_request("chat", [9, 9, 9], params(2), lane=1, tenant_id="regular")
+    run_to_completion(engine)
+    order = [rid for rid in start_order(engine) if not rid.startswith("before-")]
+    assert order.index("chat") == 2, order  # the first slot that frees, not after the whole burst
+
+
 def test_fcfs_ignores_lanes():
     engine = fake_engine(max_num_seqs=1, policy="fcfs")
     for i, lane in enumerate([2, 1, 0, 2, 0]):
@@ -331,6 +348,19 @@ def test_a_tenants_crowd_of_streams_sits_out_the_step_that_admits_another_tenant
         assert outputs[f"crowd-{i}"][-1].finish_reason == "length"
         assert engine.crowd[i].output_token_ids == expected_output([i + 1, 2, 3], 24)
     assert engine.stats().preemptions == 0
+
+
+def test_every_newcomer_gets_into_the_step_the_crowd_sits_out_not_only_the_first():
+    """Two tenants' requests arriving together, a crowd's between them in the queue: the crowd's
+    request waits for the next step, the second newcomer does not wait behind it."""
+    engine = crowded_engine(6)
+    engine.add_request("chat-a", [9, 9, 9], params(3), lane=1, tenant_id="bystander-a")
+    engine.add_request("crowd-late", [8, 2, 3], params(3), lane=1, tenant_id="crowd")
+    engine.add_request("chat-b", [7, 9, 9], params(3), lane=1, tenant_id="bystander-b")
+    engine.step()
+    assert sorted(_scheduled_ids(engine.runner.schedules[-1])) == ["chat-a", "chat-b"]
+    engine.step()
+    assert "crowd-late" in _scheduled_ids(engine.runner.schedules[-1])
 
 
 def test_a_crowd_makes_way_at_most_one_step_in_crowd_sit_out_every():
