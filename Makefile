@@ -20,7 +20,9 @@ test: venv kernels
 	@# tests/cluster runs deploy/nginx.conf in Debian's nginx; likewise.
 	test -x /usr/sbin/nginx || (test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q nginx-light) \
 		|| echo "tests/cluster needs Debian's nginx at /usr/sbin/nginx: apt-get install nginx-light"
-	$(VENV)/bin/python -m pytest
+	@# Two pytest processes: the live tests, and beside them the in-process engine and kernel
+	@# tests on the CPU the live ones leave idle (tests/suite.py says how and why).
+	$(VENV)/bin/python tests/suite.py
 
 # The inner loop: no live daphne, Celery worker, browser or real model (tests/conftest.py marks
 # those `slow` from the fixtures they use); under 2 minutes on 2 cores.

@@ -85,7 +85,7 @@ def test_pushing_several_tokens_at_once_gives_the_same_text(tok):
 
 # Unassigned code points (Cn) and control characters are left out: SmolLM2's vocabulary has
 # no token for some bytes they need (0xF1, 0xF2, 0x04...), so they cannot round-trip at all.
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Cn")), max_size=40))
 def test_random_unicode_streams_cleanly(tok, text):
     ids = tok.encode(text)
@@ -99,7 +99,7 @@ def test_random_unicode_streams_cleanly(tok, text):
 HARD_PIECES = ["a", " ", "é", "e\u0301", "日", "語", "한", "🍕", "👩", "\u200d", "👧", "🇯", "🇵", "👋🏽", "𝔘", "\n", "—", "﷽"]
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(pieces=st.lists(st.sampled_from(HARD_PIECES), max_size=30))
 def test_random_runs_of_multibyte_pieces_stream_cleanly(tok, pieces):
     text = "".join(pieces)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inference.engine.config import EngineConfig
@@ -61,7 +61,7 @@ _stops = st.lists(st.text("ab", min_size=1, max_size=5), min_size=1, max_size=4)
 _chunks = st.lists(st.text("abc", max_size=3), min_size=1, max_size=30)
 
 
-@settings(max_examples=1500, deadline=None, derandomize=True, database=None)
+@settings(max_examples=1500, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stops=_stops, chunks=_chunks, include=st.booleans(), final_at=st.integers(0, 40))
 def test_matcher_releases_what_the_brute_force_check_released(stops, chunks, include, final_at):
     matcher = StopMatcher(stops)
