@@ -59,7 +59,7 @@ def test_first_step_logits_match_transformers(make_engine, hf_reference, chat_pr
 @pytest.mark.parametrize("num_blocks", [None, 120], ids=["roomy-cache", "cache-forces-preemption"])
 def test_batch_of_32_mixed_lengths_matches_transformers(make_engine, smollm, chat_prompt_ids, reference_tokens, num_blocks):
     _, tokenizer = smollm
-    prompts = _filler_prompts(tokenizer, 27, seed=1)
+    prompts = _filler_prompts(tokenizer, 27, seed=1, max_words=60)
     for i, ids in enumerate(chat_prompt_ids):
         prompts.insert(i * 6, ids)  # spread the five checked prompts through the batch
     assert len(prompts) == 32 and len({len(p) for p in prompts}) > 10
