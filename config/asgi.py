@@ -20,6 +20,7 @@ from inference import drain, fleet  # noqa: E402
 from inference.host import EngineLifespan, host  # noqa: E402
 from inference.http_metrics import ResponseMetrics, labelled_routes  # noqa: E402
 from inference.routing import http_routes, websocket_routes  # noqa: E402
+from tenants import flood_gate  # noqa: E402
 
 MULTIPART_OVERHEAD = 64 * 1024  # form boundaries and the purpose field around an uploaded file
 # Body limit while the body arrives, and RFC 6455 close codes for consumers (see daphne_hooks).
@@ -30,6 +31,7 @@ daphne_hooks.enlarge_body_messages()
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).
 daphne_hooks.install_stream_backpressure(settings.STREAM_MAX_BUFFERED_BYTES, settings.STREAM_STALL_S)
 upload_gate.install()  # POST /v1/files: the key is checked before the body is read
+flood_gate.install()  # a tenant's generation requests past its in-flight bound: 429 before the application
 # The engine loads, the replica reports to the fleet and SIGTERM drains from the moment daphne
 # serves, not from its first connection (EngineLifespan does the same for servers with lifespan).
 daphne_hooks.call_when_serving(host.start, fleet.join, drain.install)

@@ -117,6 +117,14 @@ def _in_flight_caller(known: _Known | None) -> tuple[str | None, errors.ApiError
     return known.caller, None
 
 
+def bound_refusal(header: str | None) -> tuple[errors.ApiError, str] | None:
+    """The 429 for a known key whose tenant is at its in-flight bound in this process, with the
+    tenant's engine id; None otherwise (tenants.flood_gate answers it before daphne's application)."""
+    known = _verified(header)
+    _, refusal = _in_flight_caller(known)
+    return (refusal, known.tenant_id) if refusal is not None else None
+
+
 def _enter(caller: str) -> None:
     _in_flight[caller] = _in_flight.get(caller, 0) + 1
 

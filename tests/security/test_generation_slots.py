@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -163,3 +164,54 @@ def test_past_what_could_run_or_wait_a_tenants_requests_are_refused_before_admis
     # Spent since `before`: the four held streams, the requests that waited for a slot, and this one.
     # The bucket only refills meanwhile; before, the 60 refusals spent 60 more.
     assert after >= before - (4 + len(waited) + 1), (before, after, len(waited))
+
+
+def test_a_refusal_at_the_in_flight_bound_is_the_apis_429_counted_named_and_listed(hostile_live: LiveServer):
+    """Past the in-flight bound a request is answered from its headers before the application
+    (tenants.flood_gate): the same 429 as the middleware's, with the caller's X-Request-Id,
+    counted in /metrics under its route and tenant, and kept for the console's requests tail."""
+    from inference import refusals
+    from tests.serving.test_metrics import scrape, value
+
+    live, tenant = hostile_live, "inflight"
+    key, tenant_id = live.keys[tenant], str(live.tenant_ids[tenant])
+    labels = {"endpoint": "v1/chat/completions", "status": "429", "tenant": tenant_id}
+    counted_before = value(scrape(live), "llm_http_responses_total", **labels)
+
+    def post(i: int) -> tuple[int, dict, dict]:
+        request = urllib.request.Request(live.url + OPENAI_CHAT, data=json.dumps(chat_body(4)).encode(), method="POST",
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json",
+                                                  "X-Request-Id": f"flood-{i}"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, dict(response.headers), json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), json.loads(err.read())
+
+    held = []
+    try:
+        for _ in range(4):  # the tier's four generations
+            held.append(SocketStream(live.url, OPENAI_CHAT, key, chat_body(LONG, stream=True)))
+            assert held[-1].next() == Comment("ok")
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(post, range(12)))
+    finally:
+        for stream in held:
+            stream.close()
+    at_once = [(i, headers, body) for i, (status, headers, body) in enumerate(answers)
+               if status == 429 and "already wait" in body["error"]["message"]]
+    assert len(at_once) >= 12 - WAITERS, answers
+    for i, headers, body in at_once:
+        assert headers["X-Request-Id"] == f"flood-{i}" and headers["Retry-After"] == "1", headers
+        assert headers["Content-Type"] == "application/json"
+        assert (body["error"]["type"], body["error"]["code"]) == ("streams", "rate_limit_exceeded"), body
+    assert value(scrape(live), "llm_http_responses_total", **labels) >= counted_before + len(at_once)
+    deadline = time.monotonic() + 10  # each process moves its refusals to Redis every 0.5 s
+    prefix = key.removeprefix("sk-").split("_")[0]
+    while True:
+        kept = [r for r in map(refusals.Refusal.from_json, redis.Redis.from_url(live.redis_url).lrange(refusals.REDIS_KEY, 0, -1))
+                if r and r.key_prefix == prefix and r.status == 429]
+        if len(kept) >= len(at_once) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(kept) >= len(at_once) and all(r.tenant_id == int(tenant_id) and r.endpoint == OPENAI_CHAT for r in kept)

@@ -1,0 +1,72 @@
+"""A tenant's generation requests past its in-flight bound, refused before daphne builds them an
+application.
+
+`tenants.middleware` refuses a request of a tenant that already has as many generation requests
+in flight in this process as could run or wait for a slot (its tier's concurrent generations
+plus SLOT_WAITERS_PER_TENANT), on the event loop, with no thread or Redis call. Answered there,
+each refusal of a 400-request burst still paid for daphne's request processing, an ASGI
+application instance, the middleware stack and the response messages, and another tenant's
+request that arrived among them waited for all of it. This hook gives the same answer from the
+request's headers once daphne has read it, writing the response on the connection itself; the
+middleware keeps its check for what gets past (a request let through here may meet the bound
+there).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from config.request_ids import _SANE
+from inference import http_metrics, refusals
+from tenants import middleware
+
+log = logging.getLogger(__name__)
+
+# Request path -> its route, as /metrics labels it (inference.routing).
+GATED = {"/v1/chat/completions": "v1/chat/completions", "/v1/completions": "v1/completions",
+         "/api/v1/inference/chat": "api/v1/inference/chat"}
+
+
+def _response(error, request_id: str) -> bytes:
+    body = json.dumps(error.body()).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **error.headers,
+               "X-Request-Id": request_id, "openai-processing-ms": "0", "Connection": "close"}
+    head = f"HTTP/1.1 {error.status} Too Many Requests\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (head + "\r\n").encode("latin-1") + body
+
+
+def _refuse(request, path: str, error, tenant_id: str) -> None:
+    header = request.getHeader(b"authorization")
+    given = request.getHeader(b"x-request-id")
+    request_id = given.decode("ascii") if given and _SANE.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+    http_metrics.count_response(GATED[path], error.status, tenant_id)
+    http_metrics.count_refusal(error)
+    refusals.note(tenant_id=tenant_id, key=refusals.key_prefix(header.decode("latin-1") if header else None),
+                  endpoint=path, status=error.status, error=error.body()["error"])
+    transport = request.channel.transport if request.channel is not None else None
+    if transport is not None:
+        transport.write(_response(error, request_id))
+        transport.loseConnection()
+
+
+def install() -> None:
+    """Hook daphne's request class (once per process)."""
+    from daphne.http_protocol import WebRequest
+
+    if getattr(WebRequest, "_flood_gate_installed", False):
+        return
+    process = WebRequest.process
+
+    def gated_process(self):
+        if self.method == b"POST":
+            path = self.path.split(b"?", 1)[0].rstrip(b"/").decode("latin-1")
+            if path in GATED:
+                header = self.getHeader(b"authorization")
+                refusal = middleware.bound_refusal(header.decode("latin-1") if header else None)
+                if refusal is not None:
+                    return _refuse(self, path, *refusal)
+        return process(self)
+
+    WebRequest.process = gated_process
+    WebRequest._flood_gate_installed = True
