@@ -216,28 +216,40 @@ class Drafter:
         distributions q ([k, vocab]) the sampled ones were drawn from (greedy ones take the argmax).
 
         The first pass catches each sequence up to its last token (the prompt, on its first
-        speculative step) and proposes from there; each further pass feeds back one proposal."""
-        todo = [i for i, item in enumerate(items) if item.num_draft and not item.draft]
-        if not todo:
+        speculative step) and proposes from there; each further pass feeds back one proposal.
+        A sequence whose catch-up did not fit the step (catch_up without num_draft) computes
+        that much of its lag in the first pass and proposes nothing."""
+        proposing = [i for i, item in enumerate(items) if item.num_draft and not item.draft]
+        catching_up = [i for i, item in enumerate(items) if item.catch_up and not item.num_draft]
+        if not proposing and not catching_up:
             return items, {}
-        seqs = {i: items[i].seq for i in todo}
+        seqs = {i: items[i].seq for i in proposing + catching_up}
         spans = {i: (s, s.draft_computed_tokens, s.token_ids[s.draft_computed_tokens :]) for i, s in seqs.items()}
-        drafts: dict[int, list[int]] = {i: [] for i in todo}
-        q: dict[int, list[torch.Tensor]] = {i: [] for i in todo if not seqs[i].params.greedy}
-        live = todo
+        for i in catching_up:
+            seq, start, span = spans[i]
+            spans[i] = (seq, start, span[: items[i].catch_up])
+        drafts: dict[int, list[int]] = {i: [] for i in proposing}
+        q: dict[int, list[torch.Tensor]] = {i: [] for i in proposing if not seqs[i].params.greedy}
+        live = proposing + catching_up
         while live:
             live.sort(key=lambda i: len(spans[i][2]) != 1)  # decodes first
             inputs, ends = prepare([spans[i] for i in live], self.block_size, self.model.device, self.cache.kv_caches)
-            idx = torch.tensor([end - 1 for end in ends], device=self.model.device)
-            logits = self.model.compute_logits(self.model(*inputs)[idx])
-            for i, token in zip(live, self._pick(logits, [seqs[i] for i in live], generator, q, live)):
-                seq, start, span = spans[i]
-                drafts[i].append(token)
-                spans[i] = (seq, start + len(span), [token])
-            live = [i for i in live if len(drafts[i]) < items[i].num_draft]
-        for i, seq in seqs.items():
+            hidden = self.model(*inputs)
+            picking = [(i, end) for i, end in zip(live, ends) if i in drafts]
+            if picking:
+                idx = torch.tensor([end - 1 for _, end in picking], device=self.model.device)
+                order = [i for i, _ in picking]
+                logits = self.model.compute_logits(hidden[idx])
+                for i, token in zip(order, self._pick(logits, [seqs[i] for i in order], generator, q, order)):
+                    seq, start, span = spans[i]
+                    drafts[i].append(token)
+                    spans[i] = (seq, start + len(span), [token])
+            live = [i for i in live if i in drafts and len(drafts[i]) < items[i].num_draft]
+        for i in catching_up:
+            items[i].seq.draft_computed_tokens += items[i].catch_up
+        for i in proposing:
             # Its last proposal's keys and values were never computed: it was not fed back.
-            seq.draft_computed_tokens = seq.num_tokens + items[i].num_draft - 1
+            seqs[i].draft_computed_tokens = seqs[i].num_tokens + items[i].num_draft - 1
             items[i] = replace(items[i], draft=tuple(drafts[i]))
         return items, {id(seqs[i]): torch.stack(rows) for i, rows in q.items()}
 

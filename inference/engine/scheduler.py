@@ -167,6 +167,11 @@ class ScheduledSeq:
     # num_draft of them in the runner.
     num_draft: int = 0
     draft: tuple[int, ...] = ()
+    # Tokens the draft model computes for it this step beyond the one it always feeds: its lag
+    # (all of the prompt on the first speculative step, a token for each step that did not
+    # speculate since). Counted against the step's budget like prompt tokens; a sequence whose
+    # lag does not fit catches up in part, proposing nothing, until it does.
+    catch_up: int = 0
 
     @property
     def samples(self) -> bool:
@@ -374,17 +379,30 @@ class Scheduler:
         decoding = sum(1 for s in self.running if not s.paused and s.num_computed_tokens == s.num_tokens - 1)
         return config.num_speculative_tokens if decoding <= config.speculative_max_batch else 0
 
-    def _draft(self, seq: Sequence, width: int, step: _Step) -> tuple[int, ...]:
+    def _draft(self, seq: Sequence, width: int, step: _Step) -> tuple[tuple[int, ...], int]:
         """`seq`'s proposal for this decode step, cut to what its max_tokens, the step's budget
-        and the free blocks allow: speculation never preempts anyone."""
+        and the free blocks allow (speculation never preempts anyone), and the draft model's
+        catch-up (ScheduledSeq.catch_up). The catch-up is charged like prompt tokens: to the
+        step's budget and, for a crowd, to its prompt tokens (crowd_prefill_tokens), so thirty
+        sequences that start speculating together no longer feed their whole prompts to the
+        draft model in one step (seconds on 2 cores, every abort waiting for it)."""
         room = min(width, seq.params.max_tokens - seq.num_output_tokens - 1, step.budget - 1)
         if room <= 0 or not speculates(seq):
-            return ()
-        # A draft model proposes in the runner, always all it may: reserve room for them.
-        draft = propose_ngram(seq.token_ids, room) if self.config.speculative == "ngram" else [0] * room
+            return (), 0
+        if self.config.speculative == "ngram":
+            draft, lag = propose_ngram(seq.token_ids, room), 0
+        else:
+            # A draft model proposes in the runner, always all it may: reserve room for them.
+            lag = max(0, seq.num_tokens - 1 - seq.draft_computed_tokens)
+            crowd = self._crowd_room(seq, step)
+            allowed = step.budget - 1 - room if crowd is None else min(step.budget - 1 - room, crowd)
+            draft = [0] * room if lag <= allowed else []
         while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
             draft.pop()
-        return tuple(draft)
+        if draft or not lag:
+            return tuple(draft), lag
+        crowd = self._crowd_room(seq, step)
+        return (), max(0, min(lag, step.budget - 1, lag if crowd is None else crowd))
 
     def _schedule_running(self, now: float, step: _Step, sitting_out: frozenset[Sequence] = frozenset(),
                           width: int = 0) -> None:
@@ -397,10 +415,10 @@ class Scheduler:
                 i += 1
                 continue
             decoding = num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
-            draft = self._draft(seq, width, step) if width and decoding else ()
+            draft, catch_up = self._draft(seq, width, step) if width and decoding else ((), 0)
             if draft and bm.allocate(seq, 1 + len(draft)):
                 tokens = draft if self.config.speculative == "ngram" else ()
-                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, 1, len(draft), tokens))
+                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, 1, len(draft), tokens, catch_up))
                 i += 1
                 continue
             while not bm.allocate(seq, num_new):
@@ -412,7 +430,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                self._take(step, ScheduledSeq(seq, seq.num_computed_tokens, num_new, catch_up=0 if draft else catch_up))
                 i += 1
 
     def _victim(self, needy: Sequence) -> Sequence:
@@ -443,10 +461,11 @@ class Scheduler:
 
     def _take(self, step: _Step, item: ScheduledSeq) -> None:
         step.scheduled.append(item)
-        step.budget -= item.num_query_tokens
+        step.budget -= item.num_query_tokens + item.catch_up
         step.tenant_seqs[item.seq.tenant_id] += 1
         if item.num_new_tokens > 1:  # a prompt chunk (or a preempted sequence's recompute)
             step.tenant_prefill[item.seq.tenant_id] += item.num_new_tokens
+        step.tenant_prefill[item.seq.tenant_id] += item.catch_up
         if item.num_new_tokens > 1 and self.policy.caps_prefill(item.seq):
             step.batch_prefill -= item.num_new_tokens
 

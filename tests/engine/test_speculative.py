@@ -293,6 +293,40 @@ def test_a_prefix_cache_hit_is_recomputed_by_the_draft_model():
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
 
 
+class WorkRecorder(ModelRunner):
+    """The real runner, keeping each step's work per request: (id, target query tokens, the
+    draft model's catch-up, draft tokens reserved)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.work: list[list[tuple[str, int, int, int]]] = []
+
+    def run(self, schedule: SchedulerOutput):
+        self.work.append([(item.seq.request_id, item.num_query_tokens, item.catch_up, item.num_draft)
+                          for item in schedule.scheduled])
+        return super().run(schedule)
+
+
+def test_the_draft_models_catch_up_is_charged_to_the_steps_budget_and_spread_over_steps():
+    """With the packaged model as its own int4 draft, thirty sequences that started speculating
+    together fed their whole prompts to the draft model in one step, outside the token budget,
+    and the aborts of clients that had left waited over a second for it. A step's target tokens
+    and draft catch-up now stay within max_num_batched_tokens; a lag that does not fit is
+    computed in part, proposing nothing, and no output token changes."""
+    budget = 48
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(6)] for i in range(8)]  # all prefilled in one step
+    engine = draft_engine(max_num_batched_tokens=budget, max_num_seqs=16, speculative_max_batch=16,
+                          make_runner=WorkRecorder)
+    got = outputs_of(engine, prompts=prompts, params=greedy_params(12))
+    assert got == outputs_of(tiny_engine(max_num_batched_tokens=budget, max_num_seqs=16), prompts=prompts,
+                             params=greedy_params(12))
+    for step in engine.runner.work:
+        assert sum(tokens + catch_up for _, tokens, catch_up, _ in step) <= budget, step
+    assert any(catch_up and not drafted for step in engine.runner.work for _, _, catch_up, drafted in step)
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+
+
 def test_sampling_with_the_targets_own_weights_as_draft_accepts_every_token():
     """p == q (the same filters on the same logits): min(1, p / q) is 1 for every proposal."""
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, ignore_eos=True, seed=5)
