@@ -9,6 +9,7 @@ accepted, sent the error as one JSON text frame, and closed with code 4000 + HTT
 An HTTP request of a tenant that already has as many generation requests in flight in this
 process as could run or wait for a slot is refused with that 429 first, on the event loop.
 """
+import contextvars
 import json
 import threading
 from collections import OrderedDict
@@ -117,16 +118,34 @@ def _in_flight_caller(known: _Known | None) -> tuple[str | None, errors.ApiError
     return known.caller, None
 
 
-def bound_refusal(header: str | None) -> tuple[errors.ApiError, str] | None:
-    """The 429 for a known key whose tenant is at its in-flight bound in this process, with the
-    tenant's engine id; None otherwise (tenants.flood_gate answers it before daphne's application)."""
+# Set by tenants.flood_gate while daphne creates the application of a request it has already
+# counted in flight: the application's task inherits it, and the middleware counts it no more.
+counted_at_gate: contextvars.ContextVar[bool] = contextvars.ContextVar("counted_at_gate", default=False)
+
+
+def gate(header: str | None) -> tuple[str | None, tuple[errors.ApiError, str] | None]:
+    """For tenants.flood_gate, as a request's headers arrive: the 429 for a known key whose
+    tenant is at its in-flight bound in this process (with the tenant's engine id), or else the
+    caller now counted in flight (None for a key not known yet: the middleware counts it once
+    it authenticates). The count is taken here, not when the application first runs: a burst's
+    requests are all read in one pass of the reactor before any application runs, and all of
+    them passed a bound that nobody had been counted against yet."""
     known = _verified(header)
-    _, refusal = _in_flight_caller(known)
-    return (refusal, known.tenant_id) if refusal is not None else None
+    caller, refusal = _in_flight_caller(known)
+    if refusal is not None:
+        return None, (refusal, known.tenant_id)
+    if caller is not None:
+        _enter(caller)
+    return caller, None
 
 
 def _enter(caller: str) -> None:
     _in_flight[caller] = _in_flight.get(caller, 0) + 1
+
+
+def leave(caller: str) -> None:
+    """The end of a request counted by `gate`."""
+    _leave(caller)
 
 
 def _leave(caller: str) -> None:
@@ -146,19 +165,23 @@ class ApiKeyAuthMiddleware:
         header = scope_header(scope, b"authorization")
         if scope["type"] == "websocket":
             return await self._socket(scope, receive, send, header)
-        known = _verified(header)
-        caller, refusal = _in_flight_caller(known)
-        if refusal is not None:
-            http_metrics.note_tenant(scope, known.tenant_id)
-            return await refuse(scope, receive, send, refusal)
-        if caller is not None:
-            _enter(caller)  # before the first await: a burst arrives all at once
+        # Counted by the flood gate, which lets go when this request's task ends, however it ends.
+        counted = counted_at_gate.get()
+        caller = None
+        if not counted:
+            known = _verified(header)
+            caller, refusal = _in_flight_caller(known)
+            if refusal is not None:
+                http_metrics.note_tenant(scope, known.tenant_id)
+                return await refuse(scope, receive, send, refusal)
+            if caller is not None:
+                _enter(caller)  # before the first await: a burst arrives all at once
         try:
             try:
                 api_key, decision = await _authenticate(scope, header)
             except errors.ApiError as error:
                 return await refuse(scope, receive, send, error)
-            if caller is None:
+            if caller is None and not counted:
                 caller = admission.tenant_caller(api_key.tenant_id)
                 _enter(caller)
             return await self.app({**scope, "tenant": api_key.tenant, "api_key": api_key, "rate_limit": decision},

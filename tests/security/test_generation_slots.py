@@ -10,6 +10,7 @@ request is then refused with 429 `streams`, whatever its transport.
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -215,3 +216,63 @@ def test_a_refusal_at_the_in_flight_bound_is_the_apis_429_counted_named_and_list
             break
         time.sleep(0.2)
     assert len(kept) >= len(at_once) and all(r.tenant_id == int(tenant_id) and r.endpoint == OPENAI_CHAT for r in kept)
+
+
+def _head(sock: socket.socket) -> bytes:
+    """A response's status line and headers, lowercased."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\r\n\r\n", 1)[0].lower()
+
+
+def test_a_burst_read_in_one_pass_is_counted_at_the_gate_and_refused_there(hostile_live: LiveServer):
+    """The flood gate counted a request in flight only once its application first ran, and
+    daphne reads every request that has arrived in one pass of the reactor before any
+    application runs: a burst's requests all passed a bound no one was counted against yet,
+    and two in three refusals of a 400-request burst went through an application each while
+    another tenant's first token waited among them. Now the gate counts what it lets through
+    as it does: of a burst sent at once past a tenant's four generations, only its waiting
+    share (SLOT_WAITERS_PER_TENANT) gets past the gate, and the gate answers the rest (its
+    answer closes the connection; the application's keeps it alive)."""
+    live, tenant = hostile_live, "inflight"
+    key = live.keys[tenant]
+    host, port = live.url.removeprefix("http://").split(":")
+    payload = json.dumps(chat_body(4)).encode()
+    wire = (f"POST {OPENAI_CHAT} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+    burst = 40
+    held: list[SocketStream] = []
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(4):  # the tier's four generations (and the key is known to the process)
+            held.append(SocketStream(live.url, OPENAI_CHAT, key, chat_body(LONG, stream=True)))
+            assert held[-1].next() == Comment("ok")
+        sockets = [socket.create_connection((host, int(port)), timeout=60) for _ in range(burst)]
+        for sock in sockets:  # connected first, so the requests arrive together
+            sock.sendall(wire)
+        with ThreadPoolExecutor(burst) as pool:
+            futures = [pool.submit(_head, sock) for sock in sockets]
+            # What got past the gate waits for a slot until the held streams end.
+            deadline = time.monotonic() + 60
+            while sum(f.done() for f in futures) < burst - WAITERS and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for stream in held:
+                stream.close()
+            heads = [f.result(timeout=60) for f in futures]
+    finally:
+        for sock in sockets:
+            sock.close()
+        for stream in held:
+            stream.close()
+    refused = [h for h in heads if h.startswith(b"http/1.1 429")]
+    at_gate = [h for h in refused if b"\r\nconnection: close" in h]
+    assert len(refused) >= burst - WAITERS, heads
+    assert len(at_gate) >= burst - WAITERS, [h.split(b"\r\n")[0] for h in heads]
+    # Every count taken at the gate was let go: the whole bound (4 running, 2 waiting) is free again.
+    with ThreadPoolExecutor(4 + WAITERS) as pool:
+        statuses = list(pool.map(lambda _: live.post_json(OPENAI_CHAT, chat_body(1), key)[0], range(4 + WAITERS)))
+    assert statuses == [200] * (4 + WAITERS), statuses

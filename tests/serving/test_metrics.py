@@ -7,6 +7,7 @@ Tenants: "metrics" (an ordinary key), "metrics-tight" (3 requests a minute), "me
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -105,7 +106,10 @@ def test_responses_and_refusals_are_counted_by_route_status_tenant_and_kind(live
                       "llm_engine_time_to_first_token_seconds", "llm_engine_time_per_output_token_seconds"):
         assert grew(f"{histogram}_count", lane="P1") >= 1, histogram
         assert grew(f"{histogram}_bucket", lane="P1", le="+Inf") == grew(f"{histogram}_count", lane="P1")
-    assert grew("llm_engine_step_duration_seconds_count") >= 4  # a prefill and three decodes at least
+    # A prefill and three decodes at least; a speculative engine (the serving tests run under
+    # INFERENCE_SPECULATIVE too) may verify the last three tokens in one step.
+    speculative = os.environ.get("INFERENCE_SPECULATIVE", "off") != "off"
+    assert grew("llm_engine_step_duration_seconds_count") >= (2 if speculative else 4)
     assert 0 <= value(after, "llm_engine_kv_usage_ratio") <= 1
 
 
