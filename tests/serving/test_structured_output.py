@@ -10,6 +10,7 @@ JSON objects close on their own when the prompt names the keys (20 of 20, 15-23 
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Optional
 
@@ -78,10 +79,15 @@ def test_a_streamed_pydantic_model_comes_back_parsed_and_as_the_plain_one(sdk: o
     completions = in_parallel(stream, PEOPLE)
     parsed = [c.choices[0].message.parsed for c in completions]
     assert all(isinstance(p, Person) for p in parsed), [c.choices[0].message.content for c in completions]
-    # Greedy: the streamed documents are the plain ones, token for token.
-    plain = sdk.chat.completions.parse(model=served_model, messages=ask(PEOPLE[0]), response_format=Person, max_tokens=300,
-                                          temperature=0, extra_body=PENALTY)
-    assert completions[0].choices[0].message.content == plain.choices[0].message.content
+    # Greedy: the streamed documents are the plain ones, token for token. Not with quantized
+    # weights (the serving tests also run under INFERENCE_QUANTIZATION): there a step of up to
+    # 32 rows quantizes the activations (kernels/quant.py) and a longer one does not, so a prompt
+    # prefilled beside nineteen others and the same prompt alone can part at some token (seen
+    # with int4 on a 2-core Xeon).
+    if os.environ.get("INFERENCE_QUANTIZATION", "none") == "none":
+        plain = sdk.chat.completions.parse(model=served_model, messages=ask(PEOPLE[0]), response_format=Person,
+                                              max_tokens=300, temperature=0, extra_body=PENALTY)
+        assert completions[0].choices[0].message.content == plain.choices[0].message.content
 
 
 def test_json_object_output_parses_for_every_prompt(sdk: openai.OpenAI, served_model: str):
