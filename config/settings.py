@@ -262,6 +262,8 @@ INFERENCE = {
     "DRAFT_MODEL": env.str("INFERENCE_DRAFT_MODEL", default=""),
     "NUM_SPECULATIVE_TOKENS": env.int("INFERENCE_NUM_SPECULATIVE_TOKENS", default=4),
     "SPECULATIVE_MAX_BATCH": env.int("INFERENCE_SPECULATIVE_MAX_BATCH", default=8),
+    # ngram: the shortest match of a sequence's last tokens that proposes (1-3; EngineConfig.ngram_min).
+    "NGRAM_MIN": env.int("INFERENCE_NGRAM_MIN", default=3),
     # Where converted weights and tokenizers are kept ("": ~/.cache/llm-platform).
     "CACHE_DIR": env.str("LLM_PLATFORM_CACHE", default=""),
 }

@@ -14,6 +14,7 @@ KERNELS = ("auto", "reference", "triton", "cpu")  # kernels.CHOICES, named here 
 QUANTIZATIONS = ("none", "int8", "int4")  # inference.engine.config.QUANTIZATIONS, likewise
 SPECULATIVE_MODES = ("off", "ngram", "draft")  # inference.engine.config.SPECULATIVE_MODES, likewise
 MAX_SPECULATIVE_TOKENS = 16  # inference.engine.config.MAX_SPECULATIVE_TOKENS, likewise
+NGRAM_MAX = 3  # inference.engine.config.NGRAM_MAX, likewise
 MIN_INTERNAL_TOKEN_LENGTH = 32
 
 
@@ -49,6 +50,8 @@ def _speculative_problems(conf: dict) -> list[Error]:
         problems.append(Error(f"INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-{MAX_SPECULATIVE_TOKENS}.", id="inference.E011"))
     if conf["SPECULATIVE_MAX_BATCH"] < 0:
         problems.append(Error("INFERENCE_SPECULATIVE_MAX_BATCH must not be negative.", id="inference.E011"))
+    if not 1 <= conf["NGRAM_MIN"] <= NGRAM_MAX:
+        problems.append(Error(f"INFERENCE_NGRAM_MIN must be 1-{NGRAM_MAX}.", id="inference.E011"))
     return problems
 
 

@@ -390,7 +390,7 @@ class Scheduler:
         if room <= 0 or not speculates(seq):
             return (), 0
         if self.config.speculative == "ngram":
-            draft, lag = propose_ngram(seq.token_ids, room), 0
+            draft, lag = propose_ngram(seq.token_ids, room, self.config.ngram_min), 0
         else:
             # A draft model proposes in the runner, always all it may: reserve room for them.
             lag = max(0, seq.num_tokens - 1 - seq.draft_computed_tokens)

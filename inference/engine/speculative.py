@@ -22,23 +22,24 @@ from array import array
 
 import torch
 
+from inference.engine.config import NGRAM_MAX  # the longest suffix looked up; shorter ones, down to ngram_min, when it is not found
 from inference.engine.sampler import draw
 from inference.engine.sequence import Sequence
 
-NGRAM_MAX = 3  # the longest suffix looked up; shorter ones are tried when it is not found
 # Only the last tokens are searched, which bounds a proposal's cost: 0.16 ms a sequence for a
 # 4,096-token window, hit or miss (2-core EPYC, 5,000 random token ids).
 NGRAM_WINDOW = 4096
 
 
-def propose_ngram(token_ids: list[int], k: int, n_max: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> list[int]:
+def propose_ngram(token_ids: list[int], k: int, n_min: int = 1, n_max: int = NGRAM_MAX,
+                  window: int = NGRAM_WINDOW) -> list[int]:
     """The up to k tokens that followed the latest earlier occurrence of the last n tokens
-    (n from n_max down to 1) within the last `window` tokens; [] when none recurs."""
+    (n from n_max down to n_min) within the last `window` tokens; [] when none recurs."""
     tokens = array("q", token_ids[-window:])
     length = len(tokens)
     haystack = tokens[:-1].tobytes()  # an occurrence must have a token after it
     width = tokens.itemsize
-    for n in range(min(n_max, length - 1), 0, -1):
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
         needle = tokens[-n:].tobytes()
         # bytes.rfind runs in C (a Python loop over the window cost ~1 ms a sequence); a hit
         # off a token boundary is a false one, so look again to its left.

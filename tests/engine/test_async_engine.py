@@ -159,7 +159,7 @@ def test_twenty_concurrent_submits_from_one_loop_all_complete(serve):
 def test_speculating_streams_deliver_every_token_once_in_order(serve):
     prompts = [[5, 9, 11, 5, 9, 11, 5, 9], [3] * 5, [7, 8, 7, 8, 7]]
     expected = baseline(prompts, greedy(40))
-    ae = serve(tiny_engine(num_blocks=128, speculative="ngram"))
+    ae = serve(tiny_engine(num_blocks=128, speculative="ngram", ngram_min=1))
 
     async def one(i):
         return await collect(await ae.submit(f"s{i}", prompts[i], greedy(40)))

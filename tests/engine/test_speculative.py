@@ -33,7 +33,8 @@ def outputs_of(engine: LLMEngine, prompts=PROMPTS, params=greedy_params(40), lan
 
 
 def ngram_engine(**overrides) -> LLMEngine:
-    return tiny_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, **overrides})
+    """Proposing from 1-token matches: a tiny random model's 40 tokens rarely repeat three."""
+    return tiny_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, **overrides})
 
 
 def draft_engine(draft_seed: int = 0, **overrides) -> LLMEngine:
@@ -59,6 +60,24 @@ def test_prompt_lookup_copies_what_followed_the_latest_occurrence_of_the_longest
     # Only the window is searched.
     far = [9, 1] + [2] * 10 + [9]
     assert propose_ngram(far, 1) == [1] and propose_ngram(far, 1, window=8) == []
+
+
+def test_prompt_lookup_proposes_nothing_from_a_match_shorter_than_ngram_min():
+    # [5, 2, 3] does not recur; [2, 3] does, and [3] does.
+    tokens = [1, 2, 3, 4, 6, 3, 7, 5, 2, 3]
+    assert propose_ngram(tokens, 2, n_min=1) == [4, 6]
+    assert propose_ngram(tokens, 2, n_min=2) == [4, 6]
+    assert propose_ngram(tokens, 2, n_min=3) == []
+    assert propose_ngram([8, 6, 3, 7, 5, 3], 2, n_min=1) == [7, 5]  # the latest [3]
+    assert propose_ngram([8, 6, 3, 7, 5, 3], 2, n_min=2) == []
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 2, n_min=3) == [4, 1]
+
+
+@pytest.mark.parametrize("value", [0, 4])
+def test_an_ngram_min_outside_1_to_3_is_refused_naming_the_setting(value):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(speculative="ngram", ngram_min=value)
+    assert err.value.setting == "ngram_min"
 
 
 # -- greedy: token for token what decoding without speculation gives -------------------------
@@ -132,7 +151,7 @@ def test_no_prefix_cache_block_holds_a_rejected_token():
     same tokens, and reads the same keys and values, as without speculation."""
     runs = {}
     for mode in ("off", "ngram"):
-        engine = tiny_engine(speculative=mode)
+        engine = tiny_engine(speculative=mode, ngram_min=1)
         (first,) = engine.generate([PROMPTS[0]], greedy_params(45))
         assert mode == "off" or engine.stats().spec_draft_tokens > engine.stats().spec_accepted_tokens
         (second,) = engine.generate([list(first.prompt_token_ids + first.token_ids)], greedy_params(20))

@@ -63,12 +63,15 @@ def test_a_bad_quantization_fails_the_system_checks_and_the_checks_know_the_engi
     ("NUM_SPECULATIVE_TOKENS", 0, "INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-16"),
     ("NUM_SPECULATIVE_TOKENS", 17, "INFERENCE_NUM_SPECULATIVE_TOKENS must be 1-16"),
     ("SPECULATIVE_MAX_BATCH", -1, "INFERENCE_SPECULATIVE_MAX_BATCH must not be negative"),
+    ("NGRAM_MIN", 0, "INFERENCE_NGRAM_MIN must be 1-3"),
+    ("NGRAM_MIN", 4, "INFERENCE_NGRAM_MIN must be 1-3"),
 ])
 def test_a_bad_speculative_setting_fails_the_system_checks_naming_it(settings, key, value, says):
     from inference import checks
     from inference.engine import config
 
-    assert (checks.SPECULATIVE_MODES, checks.MAX_SPECULATIVE_TOKENS) == (config.SPECULATIVE_MODES, config.MAX_SPECULATIVE_TOKENS)
+    assert (checks.SPECULATIVE_MODES, checks.MAX_SPECULATIVE_TOKENS, checks.NGRAM_MAX) == (
+        config.SPECULATIVE_MODES, config.MAX_SPECULATIVE_TOKENS, config.NGRAM_MAX)
     settings.INFERENCE = {**settings.INFERENCE, key: value}
     with pytest.raises(SystemCheckError, match=says):
         call_command("check")
