@@ -149,6 +149,9 @@ LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.05 if LIM
 # Refused API requests the console's requests tail keeps, newest first, shared by every replica
 # in one Redis list (inference.refusals): ~300 bytes each.
 REFUSALS_KEPT = env.int("REFUSALS_KEPT", default=1000)
+# Prompts a tenant's debug capture keeps, newest first (tenants.actions.capture_prompt): up to
+# 20,000 characters each, so a busy tenant left captured holds ~20 MB at most, not its traffic.
+DEBUG_CAPTURES_KEPT = env.int("DEBUG_CAPTURES_KEPT", default=1000)
 
 # --- Celery (see the pitfalls in docs/design.md) ------------------------------------------
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
@@ -129,9 +130,16 @@ CAPTURE_MAX_CHARS = 20_000  # a prompt's JSON beyond this is cut: enough to debu
 
 def capture_prompt(tenant_id: int, request_id: str, prompt_json: str) -> None:
     """Store a request's prompt while its tenant's capture is on (checked again here, in the
-    database, so a request admitted just after capture was turned off stores nothing)."""
-    if Tenant.objects.filter(pk=tenant_id, debug_capture=True).exists():
-        PromptCapture.objects.create(tenant_id=tenant_id, request_id=request_id[:64], prompt=prompt_json[:CAPTURE_MAX_CHARS])
+    database, so a request admitted just after capture was turned off stores nothing), and
+    delete the tenant's captures past its newest DEBUG_CAPTURES_KEPT."""
+    if not Tenant.objects.filter(pk=tenant_id, debug_capture=True).exists():
+        return
+    PromptCapture.objects.create(tenant_id=tenant_id, request_id=request_id[:64], prompt=prompt_json[:CAPTURE_MAX_CHARS])
+    kept = max(1, settings.DEBUG_CAPTURES_KEPT)
+    oldest_kept = list(PromptCapture.objects.filter(tenant_id=tenant_id).order_by("-pk")
+                       .values_list("pk", flat=True)[kept - 1 : kept])
+    if oldest_kept:
+        PromptCapture.objects.filter(tenant_id=tenant_id, pk__lt=oldest_kept[0]).delete()
 
 
 def update_tenant(tenant: Tenant, *, name: str, tier: QuotaTier, is_active: bool, actor: str | None = None) -> Tenant:

@@ -225,6 +225,23 @@ def test_the_requests_tail_lists_the_newest_requests_across_tenants_filtered(adm
     assert [re.search(r'data-request="([^"]+)"', r).group(1) for r in rows_of(aborted, "requests")] == ["req-globex"]
 
 
+def test_a_capture_left_on_keeps_only_the_tenants_newest_prompts(tenant, tier, settings):
+    """Capture had no bound on its count: a busy tenant left captured stored every prompt it
+    sent, 20,000 characters each. Now each tenant keeps its newest DEBUG_CAPTURES_KEPT."""
+    from tenants.models import PromptCapture
+
+    settings.DEBUG_CAPTURES_KEPT = 3
+    globex = actions.create_tenant("globex", tier)
+    for owner in (tenant, globex):
+        actions.set_debug_capture(owner, True)
+    actions.capture_prompt(globex.pk, "req-globex", "[]")
+    for i in range(5):
+        actions.capture_prompt(tenant.pk, f"req-{i}", "[]")
+    kept = PromptCapture.objects.filter(tenant=tenant).order_by("pk").values_list("request_id", flat=True)
+    assert list(kept) == ["req-2", "req-3", "req-4"]
+    assert list(PromptCapture.objects.filter(tenant=globex).values_list("request_id", flat=True)) == ["req-globex"]
+
+
 def test_debug_capture_is_off_by_default_stores_prompts_only_while_on_and_deletes_them_when_turned_off(
         admin_client, tenant, tier):
     from tenants.models import PromptCapture
