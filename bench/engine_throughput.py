@@ -36,6 +36,7 @@ speculation on the random prompt. `--requests`, `--batch1-runs` and `--spec-toke
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 from dataclasses import replace
@@ -227,52 +228,74 @@ def hf_batch1(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
 
 def llama_cpp_batch1(prompt: list[int], new_tokens: int, threads: int):
     """llama.cpp's batch-1 decode of `prompt`: (tokens/s, ttft); None without llama-cpp-python."""
-    return _in_llama_cpp_child(_llama_cpp_run, prompt, new_tokens, threads)
-
-
-def llama_cpp_workloads(workloads: dict[str, list[list[int]]], new_tokens: int, threads: int):
-    """llama.cpp's batch-1 decode tokens/s per workload of speculative_workloads, counted as
-    speculative_batch1 counts ours; None without llama-cpp-python."""
-    return _in_llama_cpp_child(_llama_cpp_workload_run, workloads, new_tokens, threads)
-
-
-def _in_llama_cpp_child(fn, *args):
-    """`fn(*args)` in a child process: a native build can die of SIGILL on a VM that hides an
-    instruction set its CPU flags advertise, or of SIGSEGV at the first token in its AMX path
-    (both seen here)."""
+    cpp = LlamaCpp.start(threads)
+    if cpp is None:
+        return None
     try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return None
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_llama_cpp_child, args=(fn, args, results))
-    child.start()
-    child.join()
-    if child.exitcode != 0:
-        print(f"llama.cpp: child process died (exit code {child.exitcode}); skipped", flush=True)
-        return None
-    return results.get()
+        return cpp.call("batch1", prompt, new_tokens, BATCH1_RUNS)
+    finally:
+        cpp.close()
 
 
-def _llama_cpp_child(fn, args, results) -> None:
-    results.put(fn(*args))
+class LlamaCpp:
+    """llama.cpp in a child process that stays up between calls, so that its runs can take
+    turns with ours: a native build can die of SIGILL on a VM that hides an instruction set its
+    CPU flags advertise, or of SIGSEGV at its first token in its AMX path (both seen here)."""
+
+    def __init__(self, threads: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        self._child = ctx.Process(target=_llama_cpp_serve, args=(theirs, threads), daemon=True)
+        self._child.start()
+        theirs.close()
+
+    @classmethod
+    def start(cls, threads: int) -> LlamaCpp | None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return None
+        return cls(threads)
+
+    def call(self, name: str, *args):
+        """"batch1" (prompt, new_tokens, runs) -> (tokens/s, ttft), or "workloads" (workloads,
+        new_tokens) -> tokens/s per workload; None once the child has died."""
+        try:
+            self._conn.send((name, args))
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._child.join()
+            print(f"llama.cpp: child process died (exit code {self._child.exitcode}); skipped", flush=True)
+            return None
+
+    def close(self) -> None:
+        if self._child.is_alive():
+            self._conn.send(None)
+        self._child.join(30)
 
 
-def _llama(threads: int, tokens: int):
-    """llama.cpp with the smallest context (a multiple of 256) that holds `tokens`, its best
-    case: interleaved on a 2-core Xeon, 128 tokens after a 32-token prompt ran at 82-92 tok/s
-    with n_ctx 256, 83-106 with 512 and 77-90 with 2048 (the box moved more than n_ctx did)."""
+def _llama_cpp_serve(conn, threads: int) -> None:
+    functions = {"batch1": _llama_cpp_run, "workloads": _llama_cpp_workload_run}
+    while (message := conn.recv()) is not None:
+        name, args = message
+        conn.send(functions[name](*args, threads=threads))
+
+
+@functools.cache
+def _llama(threads: int, n_ctx: int):
+    """llama.cpp with a context of n_ctx tokens, kept for the next call. Callers give the
+    smallest multiple of 256 that holds the work, its best case: interleaved on a 2-core Xeon,
+    128 tokens after a 32-token prompt ran at 82-92 tok/s with n_ctx 256, 83-106 with 512 and
+    77-90 with 2048 (the box moved more than n_ctx did)."""
     from llama_cpp import Llama
 
-    n_ctx = -(-tokens // 256) * 256
     return Llama(model_path=str(resolve_source("SmolLM2-135M-Instruct").path), n_ctx=n_ctx, n_threads=threads, verbose=False)
 
 
-def _llama_cpp_workload_run(workloads: dict[str, list[list[int]]], new_tokens: int, threads: int) -> dict[str, float]:
+def _llama_cpp_workload_run(workloads: dict[str, list[list[int]]], new_tokens: int, *, threads: int) -> dict[str, float]:
     out = {}
     for name, prompts in workloads.items():
-        llm = _llama(threads, max(map(len, prompts)) + new_tokens)
+        llm = _llama(threads, -(-(max(map(len, prompts)) + new_tokens) // 256) * 256)
         tokens, seconds = 0, 0.0
         for prompt in prompts:
             llm.reset()
@@ -291,8 +314,8 @@ def _llama_cpp_workload_run(workloads: dict[str, list[list[int]]], new_tokens: i
     return out
 
 
-def _llama_cpp_run(prompt: list[int], new_tokens: int, threads: int):
-    llm = _llama(threads, len(prompt) + new_tokens)
+def _llama_cpp_run(prompt: list[int], new_tokens: int, runs: int, *, threads: int):
+    llm = _llama(threads, -(-(len(prompt) + new_tokens) // 256) * 256)
 
     def run():
         llm.reset()  # no prompt kept from the run before
@@ -308,7 +331,7 @@ def _llama_cpp_run(prompt: list[int], new_tokens: int, threads: int):
         total = time.perf_counter() - start
         return (new_tokens - 1) / (total - (first - start)), first - start
 
-    return median_run(run)
+    return median_run(run, runs)
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -349,22 +372,48 @@ def speculative_batch1(engine: LLMEngine, prompts: list[list[int]], new_tokens: 
     return tokens / seconds, stats.spec_acceptance_rate, stats.spec_tokens_per_pass
 
 
-def speculative_rows(loaded: dict, config: EngineConfig, new_tokens: int) -> dict[str, dict[str, tuple]]:
-    """Per workload and engine, speculative_batch1's figures: the unquantized and int4 engines,
-    int4 + ngram, and the unquantized target drafted by the int4 model."""
+def speculative_engines(loaded: dict, config: EngineConfig) -> dict:
+    """Makers of the engines speculative_rows compares, prefix cache off: the unquantized and
+    int4 engines, int4 + ngram, and the unquantized target drafted by the int4 model."""
     plain = replace(config, enable_prefix_caching=False, quantization="none")
-    engines = {
+    return {
         "none": lambda: LLMEngine(plain, loaded["none"]),
         "int4": lambda: LLMEngine(replace(plain, quantization="int4"), loaded["int4"]),
         "int4 + ngram": lambda: LLMEngine(replace(plain, quantization="int4", speculative="ngram"), loaded["int4"]),
         "draft": lambda: LLMEngine(replace(plain, speculative="draft"), replace(loaded["none"], draft=loaded["int4"].model)),
     }
+
+
+def speculative_rows(loaded: dict, config: EngineConfig, new_tokens: int) -> dict[str, dict[str, tuple]]:
+    """Per workload and engine of speculative_engines, speculative_batch1's figures."""
+    engines = speculative_engines(loaded, config)
     workloads = speculative_workloads(loaded["none"].tokenizer)
     out = {}
     for workload, prompts in workloads.items():
         out[workload] = {name: speculative_batch1(make(), prompts, new_tokens) for name, make in engines.items()}
         print(f"{workload}: " + ", ".join(f"{name} {row[0]:.1f} tok/s" for name, row in out[workload].items()), flush=True)
     return out
+
+
+def paired_with_llama_cpp(llama: LlamaCpp, engines: dict, b1_prompt: list[int], workloads: dict, new_tokens: int,
+                          rounds: int) -> dict[str, float] | None:
+    """Ours and llama.cpp in turns, `rounds` times, and the median of each round's ratio: int4
+    against llama.cpp on the random prompt, and per workload the faster of int4 and int4 + ngram
+    (the fastest of our rows in every run) against llama.cpp on the same prompts."""
+    ratios: dict[str, list[float]] = {"random": [], **{w: [] for w in workloads}}
+    for _ in range(rounds):
+        ours = ours_batch1(engines["int4"](), b1_prompt, 128, runs=1)[0]
+        theirs = llama.call("batch1", b1_prompt, 128, 1)
+        if theirs is None:
+            return None
+        ratios["random"].append(ours / theirs[0])
+        for workload, prompts in workloads.items():
+            ours = max(speculative_batch1(engines[name](), prompts, new_tokens)[0] for name in ("int4", "int4 + ngram"))
+            theirs = llama.call("workloads", {workload: prompts}, new_tokens)
+            if theirs is None:
+                return None
+            ratios[workload].append(ours / theirs[workload])
+    return {name: statistics.median(values) for name, values in ratios.items()}
 
 
 def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> None:
@@ -393,9 +442,14 @@ def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> No
             first_fresh = fresh
     spec = speculative_rows(kept, config, args.spec_tokens)
     results["speculative"] = spec
-    cpp = llama_cpp_batch1(b1_prompt, 128, threads)
     workloads = speculative_workloads(kept["none"].tokenizer)
-    cpp_spec = llama_cpp_workloads(workloads, args.spec_tokens, threads)
+    llama = LlamaCpp.start(threads)
+    cpp = llama.call("batch1", b1_prompt, 128, BATCH1_RUNS) if llama else None
+    cpp_spec = llama.call("workloads", workloads, args.spec_tokens) if cpp else None
+    paired = paired_with_llama_cpp(llama, speculative_engines(kept, config), b1_prompt, workloads, args.spec_tokens,
+                                   args.batch1_runs) if cpp_spec else None
+    if llama:
+        llama.close()
     results["none"]["b1_again"] = ours_batch1(first_fresh(False), b1_prompt, 128, args.batch1_runs)[0]
     names = {"none": f"ours, {str(dtype).removeprefix('torch.')}", "int8": "ours, int8", "int4": "ours, int4"}
     print(f"\n| weights | batch-1 decode (tok/s) | vs {names['none']} | vs llama.cpp | offline, 64 requests (tok/s) | weights held (MB) |")
@@ -426,15 +480,15 @@ def weights_section(args, dtype: torch.dtype, threads: int, results: dict) -> No
     results["llama_cpp_workloads"] = cpp_spec
     print(f"\n{names['none']} batch-1 again after the others: {base['b1_again']:.1f} tok/s "
           f"({base['b1_again'] / base['b1'] - 1:+.0%}: how much the machine moved during the run)")
-    if cpp:
-        best = max(results[q]["b1"] for q in QUANTIZATIONS)
-        print(f"batch-1 best of ours without speculation vs llama.cpp, 32-token random prompt: {best / cpp[0]:.2f}x")
-    if cpp_spec:
-        # Per workload, the fastest of our rows over llama.cpp on the same prompts; the line is
-        # the lower of chat's and the summary's, what holds on both.
-        ratios = {w: max(tps for tps, _, _ in rows.values()) / cpp_spec[w] for w, rows in spec.items()}
-        print("  " + ", ".join(f"{w}: {r:.2f}x" for w, r in ratios.items()))
-        print(f"batch-1 best of ours vs llama.cpp: {min(ratios.values()):.2f}x")
+    if paired:
+        results["paired_with_llama_cpp"] = paired
+        print(f"\nOurs and llama.cpp taking turns, {args.batch1_runs} rounds, the median of each round's ratio "
+              "(the tables' figures are minutes apart, and this box moves between minutes):")
+        print(f"  int4 vs llama.cpp, 32-token random prompt: {paired['random']:.2f}x")
+        print("  the faster of int4 and int4 + ngram vs llama.cpp: "
+              + ", ".join(f"{w}: {paired[w]:.2f}x" for w in workloads))
+        # What holds on both workloads: the lower of the two.
+        print(f"batch-1 best of ours vs llama.cpp: {min(paired[w] for w in workloads):.2f}x")
     else:
         print("batch-1 best of ours vs llama.cpp: n/a (llama-cpp-python not installed: requirements-bench.txt)")
     print(f"offline int8 vs bf16: {results['int8']['offline'] / base['offline']:.2f}x")
