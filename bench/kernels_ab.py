@@ -6,7 +6,9 @@ changes are worth, so two runs at different times cannot tell them apart. Here b
 load into one process and take turns on the same inputs, and the medians are compared.
 Workloads, where both builds have the op: decode attention over 30 layers' caches (64
 sequences of 32-500 tokens, and 16), and SmolLM2's four layer linears over 30 layers at
-1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small).
+1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small), and int4
+`quant_linear` over the same linears at 1, 2 and 5 rows (a decode, and a verifying pass of 4
+speculative tokens).
 
     .venv/bin/python bench/kernels_ab.py [--base HEAD] [--dtype bfloat16] [--reps 8]   # ~2 minutes
 """
@@ -28,7 +30,7 @@ from torch.utils.cpp_extension import load
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu_ext, quant  # noqa: E402
 from kernels.linear import pack_amx  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -75,6 +77,14 @@ def linear_workload(dtype: torch.dtype, rows: int, amx: bool):
     return lambda ext: [ext.linear_small(x, w) for layer in weights for x, w in zip(xs, layer)]
 
 
+def quant_workload(dtype: torch.dtype, rows: int):
+    """int4 `quant_linear` over SmolLM2's four layer linears, 30 layers (weights in groups of 32)."""
+    weights = [[quant.quantize(torch.randn(n, k) * 0.02, 4) for n, k in LINEARS] for _ in range(LAYERS)]
+    xs = [torch.randn(rows, k).to(dtype) for _, k in LINEARS]
+    return lambda ext: [ext.quant_linear(x, q.qweight, q.scales, q.mins, None, 4)
+                        for layer in weights for x, q in zip(xs, layer)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="git revision whose kernels are the base (default HEAD)")
@@ -95,6 +105,8 @@ def main() -> None:
         if amx or (both("linear_small") and (dtype == torch.float32 or all(b.linear_small_bf16(576) for b in builds.values()))):
             name = "linear_amx" if amx else "linear_small"
             workloads += [(f"{name}, {r} rows", linear_workload(dtype, r, amx)) for r in (1, 16, 64)]
+        if both("quant_linear"):
+            workloads += [(f"quant_linear int4, {r} rows", quant_workload(dtype, r)) for r in (1, 2, 5)]
         print(f"# base {args.base} vs working tree, {dtype}, {torch.get_num_threads()} threads, {args.reps} turns each")
         print("| workload | base | working tree | base / working tree |\n|---|---|---|---|")
         for name, run in workloads:
