@@ -7,24 +7,21 @@ plus SLOT_WAITERS_PER_TENANT), on the event loop, with no thread or Redis call. 
 each refusal of a 400-request burst still paid for daphne's request processing, an ASGI
 application instance, the middleware stack and the response messages, and another tenant's
 request that arrived among them waited for all of it. This hook gives the same answer from the
-request's headers once daphne has read it, writing the response on the connection itself, and
-counts a request it lets through in flight at once: counted only when its application first
-ran, a burst's requests, all read in one pass of the reactor, passed a bound nobody had been
-counted against yet: 2 of 3 refusals of a 400-request burst still went through the application
-(1 of 17 now). The
-middleware keeps its check for requests of keys not known yet.
+request's headers once daphne has read it, writing the response on the connection itself.
+
+It also counts a request it lets through in flight at once. Counted only when its application
+first ran, a burst's requests (all read in one pass of the reactor) passed a bound nobody had
+been counted against yet, and 2 of 3 refusals of a 400-request burst still went through the
+application; 1 of 17 now. The middleware counts requests of keys not known yet itself.
 """
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 
 from config.request_ids import _SANE
 from inference import http_metrics, refusals
 from tenants import middleware
-
-log = logging.getLogger(__name__)
 
 # Request path -> its route, as /metrics labels it (inference.routing).
 GATED = {"/v1/chat/completions": "v1/chat/completions", "/v1/completions": "v1/completions",

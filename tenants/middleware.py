@@ -124,9 +124,9 @@ counted_at_gate: contextvars.ContextVar[bool] = contextvars.ContextVar("counted_
 
 
 def gate(header: str | None) -> tuple[str | None, tuple[errors.ApiError, str] | None]:
-    """For tenants.flood_gate, as a request's headers arrive: the 429 for a known key whose
-    tenant is at its in-flight bound in this process (with the tenant's engine id), or else the
-    caller now counted in flight (None for a key not known yet: the middleware counts it once
+    """As a request's headers arrive (tenants.flood_gate, else the middleware): the 429 for a
+    known key whose tenant is at its in-flight bound in this process (with the tenant's engine
+    id), or else the caller now counted in flight (None for a key not known yet: the middleware counts it once
     it authenticates). The count is taken here, not when the application first runs: a burst's
     requests are all read in one pass of the reactor before any application runs, and all of
     them passed a bound that nobody had been counted against yet."""
@@ -144,11 +144,7 @@ def _enter(caller: str) -> None:
 
 
 def leave(caller: str) -> None:
-    """The end of a request counted by `gate`."""
-    _leave(caller)
-
-
-def _leave(caller: str) -> None:
+    """The end of a request counted in flight (by `gate`, or the middleware)."""
     if _in_flight[caller] == 1:
         del _in_flight[caller]
     else:
@@ -169,13 +165,11 @@ class ApiKeyAuthMiddleware:
         counted = counted_at_gate.get()
         caller = None
         if not counted:
-            known = _verified(header)
-            caller, refusal = _in_flight_caller(known)
-            if refusal is not None:
-                http_metrics.note_tenant(scope, known.tenant_id)
-                return await refuse(scope, receive, send, refusal)
-            if caller is not None:
-                _enter(caller)  # before the first await: a burst arrives all at once
+            caller, refused = gate(header)  # before the first await: a burst arrives all at once
+            if refused is not None:
+                error, tenant_id = refused
+                http_metrics.note_tenant(scope, tenant_id)
+                return await refuse(scope, receive, send, error)
         try:
             try:
                 api_key, decision = await _authenticate(scope, header)
@@ -188,7 +182,7 @@ class ApiKeyAuthMiddleware:
                                   receive, send)
         finally:
             if caller is not None:
-                _leave(caller)
+                leave(caller)
 
     async def _socket(self, scope: AsgiScope, receive: Any, send: Any, header: str | None) -> None:
         """A WebSocket handshake: its generations are bounded per `start` message, not here."""

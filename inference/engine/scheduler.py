@@ -395,14 +395,13 @@ class Scheduler:
             # A draft model proposes in the runner, always all it may: reserve room for them.
             lag = max(0, seq.num_tokens - 1 - seq.draft_computed_tokens)
             crowd = self._crowd_room(seq, step)
-            allowed = step.budget - 1 - room if crowd is None else min(step.budget - 1 - room, crowd)
-            draft = [0] * room if lag <= allowed else []
+            lag_room = step.budget - 1 if crowd is None else min(step.budget - 1, crowd)
+            draft = [0] * room if lag + room <= lag_room else []
         while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
             draft.pop()
         if draft or not lag:
             return tuple(draft), lag
-        crowd = self._crowd_room(seq, step)
-        return (), max(0, min(lag, step.budget - 1, lag if crowd is None else crowd))
+        return (), min(lag, lag_room)
 
     def _schedule_running(self, now: float, step: _Step, sitting_out: frozenset[Sequence] = frozenset(),
                           width: int = 0) -> None:
