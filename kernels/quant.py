@@ -19,6 +19,11 @@ at the second token.
 `QuantLinear` runs the compiled `quant_linear` (kernels/csrc/cpu_kernels.cpp) for the rows of a
 decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
 dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
+Where the CPU dots bf16 natively (AVX512-BF16) and x is bf16, `quant_gemm` takes int8 at every
+row count and int4 above `KERNEL_ROWS`: it dequantizes 16 weight rows at a time into a buffer
+that stays in cache and dots x with it in bf16, so int8 computes x @ W_bf16.T, the same bits
+for a row whatever batch it is in. int4 keeps `quant_linear` up to `KERNEL_ROWS` (quantized x,
+integer dots: 1.6x `quant_gemm` at one row).
 On CUDA, `quant_linear_triton` dequantizes each tile of the weights in registers for every row
 count (checked against the dequantized copy under the interpreter and compiled for sm_90 and
 sm_80 in the tests; not yet measured on a GPU).
@@ -240,11 +245,14 @@ class QuantLinear:
         # On CUDA the Triton kernel reads the quantized weights as they are; without Triton
         # each call dequantizes a copy for cuBLAS.
         self.triton = use_triton and qw.qweight.is_cuda and _triton.available()
+        self.gemm = self.module is not None and self.module.quant_gemm_available()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
             return quant_linear_triton(x, self.qw, self.bias)
         rows = x.numel() // self.in_features
+        if self.gemm and x.dtype == torch.bfloat16 and (self.qw.bits == 8 or rows > KERNEL_ROWS):
+            return self.module.quant_gemm(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
         if self.module is not None and rows <= KERNEL_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
         return F.linear(x, dequantize(self.qw, x.dtype), self.bias)

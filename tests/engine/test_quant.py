@@ -46,6 +46,57 @@ def test_the_kernel_computes_what_its_reference_does(compiled, bits, dtype, rows
         assert (got - want).abs().max() <= tolerance * want.abs().max(), (n, k)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 40])
+def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, bits, rows):
+    g = torch.Generator().manual_seed(rows * 10 + bits)
+    for n, k in [(13, 96), (96, 64), (577, 576), (33, 1536)]:  # ragged panels, a few groups, SmolLM2's widths
+        qw = quant.quantize(torch.randn(n, k, generator=g) * 0.05, bits)
+        x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        got = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, bias, bits)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        want = F.linear(x.float(), quant.dequantize(qw, torch.bfloat16).float(), bias.float())
+        # fp32 sums in another order, and the output's one rounding to bf16 (2^-8 relative).
+        assert ((got.float() - want).abs() <= 4e-3 * want.abs() + 1e-3 * want.abs().max()).all(), (n, k)
+        assert torch.equal(compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits),
+                           compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, torch.zeros_like(bias), bits))
+
+
+def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
+    """int8 in a bf16 engine takes quant_gemm at every row count: a request's output must not
+    depend on how many others share its step (one row, two, a panel's worth, a prefill)."""
+    g = torch.Generator().manual_seed(5)
+    qw = quant.quantize(torch.randn(577, 576, generator=g) * 0.05, 8)
+    x = (torch.randn(40, 576, generator=g) * 3).bfloat16()
+    whole = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, 8)
+    for size in (1, 2, 3, 5, 17):
+        for start in range(0, 40, size):
+            part = compiled.quant_gemm(x[start:start + size], qw.qweight, qw.scales, qw.mins, None, 8)
+            assert torch.equal(part, whole[start:start + size]), (size, start)
+
+
+def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled):
+    """int8: quant_gemm at every row count; int4: its integer kernel up to KERNEL_ROWS rows,
+    quant_gemm above. Where bf16 is not native, the kernel and oneDNN over the dequantized copy."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 96, generator=g) * 0.05
+    for bits in (8, 4):
+        layer = quant.QuantLinear(quant.quantize(w, bits))
+        qw = layer.qw
+        for rows in (1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits)
+            if not compiled.quant_gemm_available():
+                want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits) if rows <= quant.KERNEL_ROWS \
+                    else F.linear(x, quant.dequantize(qw, torch.bfloat16))
+            elif bits == 8 or rows > quant.KERNEL_ROWS:
+                want = gemm
+            else:
+                want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits)
+            assert torch.equal(layer(x), want), (bits, rows)
+
+
 @pytest.mark.parametrize("bits, worst", [(8, 0.005), (4, 0.08)])
 def test_quantized_weights_stay_close_and_dequantize_alike_in_cpp_and_pytorch(compiled, bits, worst):
     w = torch.randn(257, 192, generator=torch.Generator().manual_seed(bits)) * 0.05
