@@ -1850,20 +1850,23 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 }
 
 // quant_gemm: out = x @ W.T (+ bias) for bf16 x over int8 or int4 weights, at any row count,
-// where the CPU dots bf16 natively (AVX512-BF16). Each thread dequantizes a panel of 16
-// weight rows into a bf16 buffer of its own (L1/L2-sized: 18 KB at in_features 576, 48 KB at
-// 1536), exactly as quant_dequantize rounds them, and dots every row of x with it, four rows
-// of x by four weight rows at a time, in fp32 (vdpbf16ps), each output rounded to bf16 once.
-// It computes what oneDNN does over quant_dequantize's copy (x @ W_bf16.T) without that copy:
-// dequantizing SmolLM2's 135M weights into a fresh bf16 tensor took ~60 ms a step on a
-// 2-core Zen 4 EPYC, about what the GEMM of 64 rows takes (53 ms), and the copy was then
-// read back from memory.
+// where the CPU dots bf16 natively (AVX512-BF16). Each thread dequantizes a panel of 32
+// weight rows into a bf16 buffer of its own (36-96 KB at SmolLM2's widths, in cache), exactly
+// as quant_dequantize rounds them and laid out input pair by input pair, and runs every row of
+// x against it: 12 rows of x by 32 outputs in 24 fp32 accumulators, each step one 64-byte load
+// per 16 outputs, a broadcast pair of x per row and a vdpbf16ps per row and 16 outputs. Each
+// output is one lane's sum over the inputs in order, whatever the rows around it, rounded to
+// bf16 once: a row gets the same bits in any batch. Against oneDNN's bf16 GEMM over SmolLM2's
+// layers on a 2-core Zen 4 EPYC (weights cycling through memory as in a step): 1.15x at 64
+// rows, 0.98-1.08x at 256-1,024. The path before, dequantizing each layer into a fresh bf16
+// copy for oneDNN, cost ~60 ms a step, as much as the 64-row GEMM. A dot-product form (4 x 4
+// outputs, lanes along the inputs, summed across at the end) ran 0.79x oneDNN at 256-1,024
+// rows: the sums across lanes and its scalar epilogue.
 #if defined(__AVX512BF16__)
 #define HAVE_QUANT_GEMM 1
-static constexpr int64_t PANEL_ROWS = 16;
 
-// 32 weights of a group, dequantized and rounded to bf16: the one rounding every path of
-// quant_gemm shares, so a row's output does not depend on which path or batch computed it.
+// 32 weights of a group, dequantized and rounded to bf16, as quant_gemm's panels and
+// quant_dequantize's bf16 copy both hold them.
 static inline __m512i dequant32(__m512 lo, __m512 hi, float d, float m) {
   const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, dv, mv), _mm512_fmadd_ps(lo, dv, mv));
@@ -1891,16 +1894,6 @@ static inline __m512i dequant_group(const uint8_t* qw, const void* scales, const
     return dequant32_int8(qw + row * k + g * 32, static_cast<const float*>(scales)[at], static_cast<const float*>(mins)[at]);
   return dequant32_int4(qw + row * (k / 2) + g * 16, static_cast<float>(static_cast<const at::Half*>(scales)[at]),
                         static_cast<float>(static_cast<const at::Half*>(mins)[at]));
-}
-
-// Weight rows [r0, r0 + rows) of W, dequantized into panel (PANEL_ROWS x k bf16; rows past
-// the last are copies of it, computed and dropped).
-static void dequantize_panel(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k, int64_t r0,
-                             int64_t rows, at::BFloat16* panel) {
-  for (int64_t r = 0; r < PANEL_ROWS; ++r) {
-    const int64_t row = r0 + std::min(r, rows - 1);
-    for (int64_t g = 0; g < k / 32; ++g) _mm512_storeu_si512(panel + r * k + g * 32, dequant_group(qw, scales, mins, bits, k, row, g));
-  }
 }
 
 #endif
@@ -1946,99 +1939,109 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
 }
 
 #if defined(HAVE_QUANT_GEMM)
-// XS rows of x (1 to 4) against 4 weight rows dequantized in registers, without a panel:
-// where x has a row or two, writing and reading back the panel cost more than the dots
-// (SmolLM2's layers at one row: 10.2 ms against 7.4 for the fused int8 kernel). The same
-// sums in the same order as panel_dots.
-template <int XS>
-static inline __m512 fused_dots(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, int64_t bits,
-                                int64_t k, const int64_t* rows) {
-  __m512 a[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < k / 32; ++g) {
-    __m512i v[XS];
-    for (int j = 0; j < XS; ++j) v[j] = _mm512_loadu_si512(x + j * k + g * 32);
-    for (int r = 0; r < 4; ++r) {
-      const __m512i q = dequant_group(qw, scales, mins, bits, k, rows[r], g);
-      for (int j = 0; j < XS; ++j) a[j * 4 + r] = _mm512_dpbf16_ps(a[j * 4 + r], (__m512bh)v[j], (__m512bh)q);
-    }
+static constexpr int64_t PANEL_COLS = 32, TILE_ROWS = 12;
+
+// 16 vectors of 16 32-bit lanes transposed in place: lane j of v[i] <-> lane i of v[j].
+static inline void transpose16x16(__m512i* v) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
   }
-  return transpose_sum16(a);
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // v[4b + c] now holds, in each 128-bit quarter q, rows 4b..4b+3 of column 4q + c: gather
+  // column 4q + c's four quarters from v[c], v[4 + c], v[8 + c] and v[12 + c].
+  for (int i = 0; i < 16; ++i) t[i] = v[i];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(t[c], t[4 + c], 0x44), b = _mm512_shuffle_i32x4(t[c], t[4 + c], 0xEE);
+    const __m512i d = _mm512_shuffle_i32x4(t[8 + c], t[12 + c], 0x44), e = _mm512_shuffle_i32x4(t[8 + c], t[12 + c], 0xEE);
+    v[c] = _mm512_shuffle_i32x4(a, d, 0x88);
+    v[4 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);
+    v[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
+    v[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
+  }
 }
 
-// XS rows of x (1 to 4) against the 4 panel rows w: sums[j * 4 + r] in lane order.
-template <int XS>
-static inline __m512 panel_dots(const at::BFloat16* x, const at::BFloat16* w, int64_t k) {
-  __m512 a[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 32) {
-    __m512i v[XS];
-    for (int j = 0; j < XS; ++j) v[j] = _mm512_loadu_si512(x + j * k + c);
-    for (int r = 0; r < 4; ++r) {
-      const __m512i q = _mm512_loadu_si512(w + r * k + c);
-      for (int j = 0; j < XS; ++j) a[j * 4 + r] = _mm512_dpbf16_ps(a[j * 4 + r], (__m512bh)v[j], (__m512bh)q);
+// Weight rows [c0, c0 + cols) of W, dequantized into panel[in / 2][PANEL_COLS] (pairs of bf16;
+// columns past the last are copies of it, computed and dropped).
+static void dequantize_panel(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k, int64_t c0,
+                             int64_t cols, uint32_t* panel) {
+  for (int64_t half = 0; half < PANEL_COLS / 16; ++half)
+    for (int64_t g = 0; g < k / 32; ++g) {
+      __m512i v[16];
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t row = c0 + std::min(half * 16 + r, cols - 1);
+        v[r] = dequant_group(qw, scales, mins, bits, k, row, g);
+      }
+      transpose16x16(v);
+      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(panel + (g * 16 + p) * PANEL_COLS + half * 16, v[p]);
     }
-  }
-  return transpose_sum16(a);
 }
 
-// Rows of x up to which quant_gemm dequantizes in registers rather than into a panel.
-static constexpr int64_t FUSED_ROWS = 2;
-
-// A 4 x 4 tile's sums (lane j * 4 + r: x row i + j, output column c0 + r), plus the bias, each
-// rounded to bf16 once and stored four columns a row. Vector work: the scalar epilogue (a
-// rounding and a bias lookup an output) cost about what the tile's dots did at in_features 576.
-static inline void store_tile(__m512 sums, int64_t i, int64_t xs, int64_t c0, int64_t cols, const at::BFloat16* bias,
-                              at::BFloat16* out, int64_t n) {
-  if (bias) {
-    alignas(16) float b[4];
-    for (int64_t r = 0; r < 4; ++r) b[r] = to_f(bias[c0 + std::min(r, cols - 1)]);
-    sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(_mm_load_ps(b)));
+// MR rows of x against the panel's outputs c0..c0 + cols, stored with the bias.
+template <int MR>
+static inline void panel_tile(const at::BFloat16* x, int64_t k, const uint32_t* panel, const at::BFloat16* bias, at::BFloat16* out,
+                              int64_t n, int64_t c0, int64_t cols) {
+  __m512 a[MR][2];
+  for (int j = 0; j < MR; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  const int64_t stride = k / 2;
+  for (int64_t kp = 0; kp < k / 2; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kp * PANEL_COLS);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kp * PANEL_COLS + 16);
+    for (int j = 0; j < MR; ++j) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[j * stride + kp]);
+      a[j][0] = _mm512_dpbf16_ps(a[j][0], xb, w0);
+      a[j][1] = _mm512_dpbf16_ps(a[j][1], xb, w1);
+    }
   }
-  alignas(32) uint16_t half[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(half), (__m256i)_mm512_cvtneps_pbh(sums));
-  for (int64_t j = 0; j < xs; ++j) std::memcpy(out + (i + j) * n + c0, half + j * 4, cols * sizeof(uint16_t));
+  for (int h = 0; h < 2; ++h) {
+    const int64_t left = cols - h * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = first_lanes(left);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0 + h * 16)), 16));
+    for (int j = 0; j < MR; ++j)
+      _mm256_mask_storeu_epi16(out + j * n + c0 + h * 16, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a[j][h], b)));
+  }
 }
 
 static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, int64_t bits,
                               const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
-  if (m <= FUSED_ROWS) {
-    at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t quad = begin; quad < end; ++quad) {
-        const int64_t c0 = quad * 4, cols = std::min<int64_t>(4, n - c0);
-        int64_t rows[4];
-        for (int64_t r = 0; r < 4; ++r) rows[r] = c0 + std::min(r, cols - 1);
-        const __m512 sums = m == 1 ? fused_dots<1>(x, qw, scales, mins, bits, k, rows) : fused_dots<2>(x, qw, scales, mins, bits, k, rows);
-        store_tile(sums, 0, m, c0, cols, bias, out, n);
-      }
-    });
-    return;
-  }
-  const int64_t panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+  const int64_t panels = (n + PANEL_COLS - 1) / PANEL_COLS;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> buffer(PANEL_ROWS * k);
-    at::BFloat16* panel = buffer.data();
+    std::vector<uint32_t> buffer(PANEL_COLS * k / 2);
+    uint32_t* panel = buffer.data();
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t r0 = p * PANEL_ROWS, rows = std::min<int64_t>(PANEL_ROWS, n - r0);
-      dequantize_panel(qw, scales, mins, bits, k, r0, rows, panel);
-      for (int64_t i = 0; i < m; i += 4) {
-        const int64_t xs = std::min<int64_t>(4, m - i);
-        for (int64_t quad = 0; quad * 4 < rows; ++quad) {
-          const at::BFloat16* w = panel + quad * 4 * k;
-          __m512 s;
-          switch (xs) {
-            case 1: s = panel_dots<1>(x + i * k, w, k); break;
-            case 2: s = panel_dots<2>(x + i * k, w, k); break;
-            case 3: s = panel_dots<3>(x + i * k, w, k); break;
-            default: s = panel_dots<4>(x + i * k, w, k); break;
-          }
-          const int64_t c0 = r0 + quad * 4;
-          store_tile(s, i, xs, c0, std::min<int64_t>(4, n - c0), bias, out, n);
+      const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
+      dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
+      for (int64_t i = 0; i < m; i += TILE_ROWS) {
+        const at::BFloat16* xi = x + i * k;
+        at::BFloat16* oi = out + i * n;
+        switch (std::min<int64_t>(TILE_ROWS, m - i)) {
+          case 1: panel_tile<1>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 2: panel_tile<2>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 3: panel_tile<3>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 4: panel_tile<4>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 5: panel_tile<5>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 6: panel_tile<6>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 7: panel_tile<7>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 8: panel_tile<8>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 9: panel_tile<9>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 10: panel_tile<10>(xi, k, panel, bias, oi, n, c0, cols); break;
+          case 11: panel_tile<11>(xi, k, panel, bias, oi, n, c0, cols); break;
+          default: panel_tile<12>(xi, k, panel, bias, oi, n, c0, cols); break;
         }
       }
     }
   });
 }
+
 #endif
 
 bool quant_gemm_available() {
