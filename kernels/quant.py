@@ -20,10 +20,12 @@ at the second token.
 decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
 dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
 Where the CPU dots bf16 natively (AVX512-BF16) and x is bf16, `quant_gemm` takes int8 at every
-row count and int4 above `KERNEL_ROWS`: it dequantizes 16 weight rows at a time into a buffer
-that stays in cache and dots x with it in bf16, so int8 computes x @ W_bf16.T, the same bits
-for a row whatever batch it is in. int4 keeps `quant_linear` up to `KERNEL_ROWS` (quantized x,
-integer dots: 1.6x `quant_gemm` at one row).
+row count and int4 above `KERNEL_ROWS`: it dequantizes 32 weight rows at a time into a buffer
+that stays in cache and runs the rows of x against it in bf16 (at par with oneDNN's bf16 GEMM
+at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a row
+whatever batch it is in. int4 keeps `quant_linear` up to `KERNEL_ROWS`: quantized x and
+integer dots run one row 3x faster, and a verifying pass of speculative decoding must compute
+a row as a one-row decode does.
 On CUDA, `quant_linear_triton` dequantizes each tile of the weights in registers for every row
 count (checked against the dequantized copy under the interpreter and compiled for sm_90 and
 sm_80 in the tests; not yet measured on a GPU).
