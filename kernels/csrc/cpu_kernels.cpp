@@ -1939,7 +1939,7 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
 }
 
 #if defined(HAVE_QUANT_GEMM)
-static constexpr int64_t PANEL_COLS = 32, TILE_ROWS = 12;
+static constexpr int64_t PANEL_COLS = 32, TILE_ROWS = 12, FUSED_ROWS = 2;
 
 // 16 vectors of 16 32-bit lanes transposed in place: lane j of v[i] <-> lane i of v[j].
 static inline void transpose16x16(__m512i* v) {
@@ -1983,6 +1983,18 @@ static void dequantize_panel(const uint8_t* qw, const void* scales, const void* 
     }
 }
 
+// Accumulators a[j][h] (16 outputs from c0, `cols` of them real) plus the bias, each rounded to
+// bf16 once, into rows j of out.
+template <int MR, int H>
+static inline void store_outputs(const __m512 (&a)[MR][H], int h, const at::BFloat16* bias, at::BFloat16* out, int64_t n,
+                                 int64_t c0, int64_t cols) {
+  const __mmask16 mask = first_lanes(cols);
+  __m512 b = _mm512_setzero_ps();
+  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
+  for (int j = 0; j < MR; ++j)
+    _mm256_mask_storeu_epi16(out + j * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a[j][h], b)));
+}
+
 // MR rows of x against the panel's outputs c0..c0 + cols, stored with the bias.
 template <int MR>
 static inline void panel_tile(const at::BFloat16* x, int64_t k, const uint32_t* panel, const at::BFloat16* bias, at::BFloat16* out,
@@ -2000,19 +2012,43 @@ static inline void panel_tile(const at::BFloat16* x, int64_t k, const uint32_t* 
       a[j][1] = _mm512_dpbf16_ps(a[j][1], xb, w1);
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t left = cols - h * 16;
-    if (left <= 0) break;
-    const __mmask16 mask = first_lanes(left);
-    __m512 b = _mm512_setzero_ps();
-    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0 + h * 16)), 16));
-    for (int j = 0; j < MR; ++j)
-      _mm256_mask_storeu_epi16(out + j * n + c0 + h * 16, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a[j][h], b)));
+  for (int h = 0; h < 2 && cols > h * 16; ++h) store_outputs<MR>(a, h, bias, out, n, c0 + h * 16, cols - h * 16);
+}
+
+// One or two rows of x against 16 outputs, the weights dequantized and transposed in
+// registers: the panel's sums in the panel's order, without writing and reading back a panel.
+// SmolLM2's 30 layers at one row: 10.2 ms, against 10.9 through panels and 6.5 for
+// quant_linear's fp32 dots, which need no transpose but sum in another order.
+template <int MR>
+static inline void fused_block(const at::BFloat16* x, int64_t k, const uint8_t* qw, const void* scales, const void* mins,
+                               int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t n, int64_t c0, int64_t cols) {
+  __m512 a[MR][1];
+  for (int j = 0; j < MR; ++j) a[j][0] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  const int64_t stride = k / 2;
+  for (int64_t g = 0; g < k / 32; ++g) {
+    __m512i v[16];
+    for (int64_t r = 0; r < 16; ++r) v[r] = dequant_group(qw, scales, mins, bits, k, c0 + std::min(r, cols - 1), g);
+    transpose16x16(v);
+    for (int p = 0; p < 16; ++p)
+      for (int j = 0; j < MR; ++j)
+        a[j][0] = _mm512_dpbf16_ps(a[j][0], (__m512bh)_mm512_set1_epi32(xp[j * stride + g * 16 + p]), (__m512bh)v[p]);
   }
+  store_outputs<MR>(a, 0, bias, out, n, c0, std::min<int64_t>(cols, 16));
 }
 
 static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, int64_t bits,
                               const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
+  if (m <= FUSED_ROWS) {
+    at::parallel_for(0, (n + 15) / 16, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t c0 = block * 16, cols = std::min<int64_t>(16, n - c0);
+        if (m == 1) fused_block<1>(x, k, qw, scales, mins, bits, bias, out, n, c0, cols);
+        else fused_block<2>(x, k, qw, scales, mins, bits, bias, out, n, c0, cols);
+      }
+    });
+    return;
+  }
   const int64_t panels = (n + PANEL_COLS - 1) / PANEL_COLS;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> buffer(PANEL_COLS * k / 2);
