@@ -28,6 +28,7 @@ daphne_hooks.install_body_limit(settings.MAX_REQUEST_BYTES, {"/v1/files": settin
 daphne_hooks.allow_endpoint_close_codes()
 daphne_hooks.skip_form_parsing()
 daphne_hooks.enlarge_body_messages()
+daphne_hooks.name_status_codes()
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).
 daphne_hooks.install_stream_backpressure(settings.STREAM_MAX_BUFFERED_BYTES, settings.STREAM_STALL_S)
 upload_gate.install()  # POST /v1/files: the key is checked before the body is read

@@ -8,6 +8,8 @@
 4. `skip_form_parsing`: Twisted does not parse form bodies into `request.args` (daphne never
    reads them; the application parses the body it is handed).
 5. `enlarge_body_messages`: bodies reach the application in 256 KiB messages, not 8 KiB ones.
+6. `name_status_codes`: statuses Twisted has no reason phrase for (429, 422, 431...) go out
+   with the standard one, not "Unknown Status".
 
 All patch daphne's classes in this process only; `config.asgi` installs them, so they
 apply exactly where daphne serves the application.
@@ -159,6 +161,18 @@ def enlarge_body_messages() -> None:
 # RFC 6455 7.4.1 codes an endpoint may send. autobahn (daphne's WebSocket layer) lets an
 # application close only with 1000 or 3000-4999 and raises on anything else.
 ENDPOINT_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011})
+
+
+def name_status_codes() -> None:
+    """Twisted's reason phrases stop at RFC 2616: every 429 the API sent went out as "HTTP/1.1
+    429 Unknown Status", which proxies log and some clients show. The standard library's
+    phrases fill the gaps."""
+    from http import HTTPStatus
+
+    from twisted.web import http
+
+    for status in HTTPStatus:
+        http.RESPONSES.setdefault(status.value, status.phrase.encode())
 
 
 def allow_endpoint_close_codes() -> None:

@@ -34,6 +34,8 @@ TIERS: dict[str, dict] = {
     "one-slot": {"lane": 1, **{**BIG, "concurrent_streams": 1, "max_tokens_per_request": 4096}},
     # tests/security/test_prefix_cache_isolation.py: a tier whose tenants share their prefix cache.
     "cache-sharing": {"lane": 1, **BIG, "share_prefix_cache": True},
+    # tests/reliability/test_status_lines.py: a second request within the minute is a 429
+    "rpm-1": {"lane": 1, **{**BIG, "requests_per_minute": 1}},
     # tests/reliability/test_stalled_readers.py: streams long enough that the server must cut them.
     "stall-long": {"lane": 1, **{**BIG, "max_tokens_per_request": 2048}},
 }
@@ -88,6 +90,8 @@ TENANTS: dict[str, str] = {
     "cache-sharing-b": "cache-sharing",
     # tests/reliability/test_stalled_readers.py
     "stall": "stall-long",
+    # tests/reliability/test_status_lines.py
+    "rpm-1": "rpm-1",
     # tests/cluster/test_nginx.py: nginx in front of this server
     "proxied": "hostile-p1",
 }
