@@ -1849,6 +1849,35 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
+// The weights back in `dtype`, [out_features, in_features]: for long prefill chunks where bf16 is
+// not native (oneDNN's GEMM over them), and for the embedding's lookups.
+torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                               int64_t in_features, at::ScalarType dtype) {
+  const int64_t k = in_features;
+  check_quantized(qweight, scales, mins, bits, k);
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "quant_dequantize gives fp32 or bf16");
+  const int64_t n = qweight.size(0), groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
+  auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "quant_dequantize", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t row = g / groups, col = g % groups;
+        const float d = bits == 8 ? scales.data_ptr<float>()[g] : static_cast<float>(scales.data_ptr<at::Half>()[g]);
+        const float base = bits == 8 ? mins.data_ptr<float>()[g] : static_cast<float>(mins.data_ptr<at::Half>()[g]);
+        const uint8_t* p = qw + row * row_bytes + col * (bits == 8 ? 32 : 16);
+        scalar_t* dst = o + g * 32;
+        for (int c = 0; c < 32; ++c) {
+          const int q = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
+          dst[c] = static_cast<scalar_t>(d * static_cast<float>(q) + base);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // quant_gemm: out = x @ W.T (+ bias) for bf16 x over int8 or int4 weights, at any row count,
 // where the CPU dots bf16 natively (AVX512-BF16). Each thread dequantizes a panel of 32
 // weight rows into a bf16 buffer of its own (36-96 KB at SmolLM2's widths, in cache), exactly
@@ -1896,49 +1925,6 @@ static inline __m512i dequant_group(const uint8_t* qw, const void* scales, const
                         static_cast<float>(static_cast<const at::Half*>(mins)[at]));
 }
 
-#endif
-
-// The weights back in `dtype`, [out_features, in_features]: for long prefill chunks where bf16 is
-// not native (oneDNN's GEMM over them), and for the embedding's lookups.
-torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                               int64_t in_features, at::ScalarType dtype) {
-  const int64_t k = in_features;
-  check_quantized(qweight, scales, mins, bits, k);
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "quant_dequantize gives fp32 or bf16");
-  const int64_t n = qweight.size(0), groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
-  auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
-  const uint8_t* qw = qweight.data_ptr<uint8_t>();
-#if defined(HAVE_QUANT_GEMM)
-  // bf16 sixteen lanes at a time, rounded as quant_gemm rounds them: 3x the scalar loop.
-  if (dtype == torch::kBFloat16) {
-    at::BFloat16* o = out.data_ptr<at::BFloat16>();
-    at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g)
-        _mm512_storeu_si512(o + g * 32, dequant_group(qw, scales.data_ptr(), mins.data_ptr(), bits, k, g / groups, g % groups));
-    });
-    return out;
-  }
-#endif
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "quant_dequantize", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t row = g / groups, col = g % groups;
-        const float d = bits == 8 ? scales.data_ptr<float>()[g] : static_cast<float>(scales.data_ptr<at::Half>()[g]);
-        const float base = bits == 8 ? mins.data_ptr<float>()[g] : static_cast<float>(mins.data_ptr<at::Half>()[g]);
-        const uint8_t* p = qw + row * row_bytes + col * (bits == 8 ? 32 : 16);
-        scalar_t* dst = o + g * 32;
-        for (int c = 0; c < 32; ++c) {
-          const int q = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
-          dst[c] = static_cast<scalar_t>(d * static_cast<float>(q) + base);
-        }
-      }
-    });
-  });
-  return out;
-}
-
-#if defined(HAVE_QUANT_GEMM)
 static constexpr int64_t PANEL_COLS = 32, TILE_ROWS = 12, FUSED_ROWS = 2;
 
 // 16 vectors of 16 32-bit lanes transposed in place: lane j of v[i] <-> lane i of v[j].
