@@ -1890,7 +1890,8 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
 // rows, 0.98-1.08x at 256-1,024. The path before, dequantizing each layer into a fresh bf16
 // copy for oneDNN, cost ~60 ms a step, as much as the 64-row GEMM. A dot-product form (4 x 4
 // outputs, lanes along the inputs, summed across at the end) ran 0.79x oneDNN at 256-1,024
-// rows: the sums across lanes and its scalar epilogue.
+// rows: the sums across lanes and its scalar epilogue. Where AMX is usable the same panels
+// feed AMX's tiles instead (quant_gemm_amx_*, below).
 #if defined(__AVX512BF16__)
 #define HAVE_QUANT_GEMM 1
 
@@ -1950,6 +1951,44 @@ static inline void transpose16x16(__m512i* v) {
     v[4 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);
     v[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
     v[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
+  }
+}
+
+// A buffer per thread and purpose, kept between calls: no allocation or zeroing per call.
+template <int PURPOSE>
+static uint32_t* scratch(int64_t words) {
+  thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
+  return buffer.data();
+}
+
+// Weight row `row` of W dequantized to bf16 into dst (k values).
+template <int BITS>
+static inline void dequant_row(const uint8_t* qw, const void* scales, const void* mins, int64_t k, int64_t row,
+                               at::BFloat16* dst) {
+  const int64_t groups = k / 32;
+  if constexpr (BITS == 8) {
+    const uint8_t* q = qw + row * k;
+    const float* d = static_cast<const float*>(scales) + row * groups;
+    const float* mn = static_cast<const float*>(mins) + row * groups;
+    for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(dst + g * 32, dequant32_int8(q + g * 32, d[g], mn[g]));
+  } else {
+    const uint8_t* q = qw + row * (k / 2);
+    const at::Half* d = static_cast<const at::Half*>(scales) + row * groups;
+    const at::Half* mn = static_cast<const at::Half*>(mins) + row * groups;
+    for (int64_t g = 0; g < groups; ++g)
+      _mm512_storeu_si512(dst + g * 32, dequant32_int4(q + g * 16, static_cast<float>(d[g]), static_cast<float>(mn[g])));
+  }
+}
+
+// Rows [c0, c0 + 32) of W into buf (row-major, 32 x k), row by row: the 32 rows' bytes are one
+// stretch of memory read front to back. Rows past the last output repeat it.
+static inline void dequant_rows32(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k, int64_t c0,
+                                  int64_t cols, at::BFloat16* buf) {
+  for (int64_t r = 0; r < PANEL_COLS; ++r) {
+    const int64_t row = c0 + std::min(r, cols - 1);
+    if (bits == 8) dequant_row<8>(qw, scales, mins, k, row, buf + r * k);
+    else dequant_row<4>(qw, scales, mins, k, row, buf + r * k);
   }
 }
 
@@ -2023,8 +2062,173 @@ static inline void fused_block(const at::BFloat16* x, int64_t k, const uint8_t* 
   store_outputs<MR>(a, 0, bias, out, n, c0, std::min<int64_t>(cols, 16));
 }
 
+#if defined(HAVE_AMX)
+// quant_gemm on AMX's tile units, at every row count where AMX is usable. Each thread takes 32
+// outputs at a time and dequantizes their weights into a buffer of its own; TDPBF16PS runs x
+// against it, four fp32 accumulator tiles per two 16-output and two 16-row blocks. Two forms:
+// - up to AMX_WEIGHTS_FIRST_ROWS rows the weights are the tiles' first operand (16 outputs x
+//   32 inputs), so a dequantized group of 32 is a tile row as it comes, read row by row, with
+//   no transpose; x, packed once per call as pack_amx packs a weight, is the second. Each
+//   accumulator tile is transposed to rows of x as it is stored, a cost per 16 x 16 outputs;
+// - above, x is the first operand as it lies and the weights are transposed into input pairs
+//   (dequantize_panel's layout: pack_amx's tiles at a stride of 128 bytes), as linear_amx runs
+//   bf16.
+// Over SmolLM2's layers on a 2-core AMX Xeon (480 MB of L3: bf16 weights never leave the
+// cache, so dequantizing can only add work): 0.4x linear_amx at 1-8 rows, 0.6x at 32-128,
+// 0.7-0.97x at 256-1,024, where the vdpbf16ps panels ran 0.2x at 64 rows, the weights-first
+// form 0.8x at 1,024 (its transposed stores) and the rows-first 0.25x at one row (its
+// transposes). Both sum an output as one chain of TDPBF16PS over the inputs in order, of the
+// same pairs' products, whatever the rows beside it: a row gets the same bits in any batch, in
+// either form.
+static constexpr int64_t AMX_WEIGHTS_FIRST_ROWS = 128;
+
+// x as pack_amx packs a weight: xp[b][i][r][2c + j] = x[16b + c][32i + 2r + j], zero past m.
+static void pack_x_amx(const at::BFloat16* x, int64_t m, int64_t k, uint32_t* xp) {
+  const int64_t kb = k / 32, blocks = (m + 15) / 16, pairs = k / 2;
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
+  std::memset(xp, 0, blocks * kb * 256 * sizeof(uint32_t));
+  for (int64_t row = 0; row < m; ++row) {
+    uint32_t* dst = xp + (row / 16) * kb * 256 + row % 16;
+    for (int64_t p = 0; p < pairs; ++p) dst[p * 16] = xs[row * pairs + p];
+  }
+}
+
+// Accumulator tile c[output][row of x] plus the bias, transposed and rounded to bf16, into
+// `rows` rows of out (stride n), outputs c0..c0 + cols.
+static inline void amx_store_transposed(const float (*c)[16], int64_t rows, const at::BFloat16* bias, at::BFloat16* out,
+                                        int64_t n, int64_t c0, int64_t cols) {
+  __m512i v[16];
+  for (int o = 0; o < 16; ++o) v[o] = _mm512_load_si512(c[o]);
+  transpose16x16(v);
+  const __mmask16 mask = first_lanes(cols);
+  __m512 b = _mm512_setzero_ps();
+  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_mask_storeu_epi16(out + r * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(v[r]), b)));
+}
+
+// Accumulator tile c[row of x][output] plus the bias, rounded to bf16, as amx_store_rows but
+// masked to `cols` outputs.
+static inline void amx_store_direct(const float (*c)[16], int64_t rows, const at::BFloat16* bias, at::BFloat16* out, int64_t n,
+                                    int64_t c0, int64_t cols) {
+  const __mmask16 mask = first_lanes(cols);
+  __m512 b = _mm512_setzero_ps();
+  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_mask_storeu_epi16(out + r * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b)));
+}
+
+static inline void amx_zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// The four accumulator tiles into c (the last two only where a second block of rows ran).
+static inline void amx_store_accumulators(float (*c)[16][16], bool two) {
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (two) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
+}
+
+static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
+                                         int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
+                                         int64_t k) {
+  const int64_t kb = k / 32, blocks = (m + 15) / 16;
+  uint32_t* xp = scratch<1>(blocks * kb * 256);
+  pack_x_amx(x, m, k, xp);
+  at::parallel_for(0, (n + PANEL_COLS - 1) / PANEL_COLS, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();  // tile state is per thread
+    at::BFloat16* a0 = reinterpret_cast<at::BFloat16*>(scratch<0>(PANEL_COLS * k / 2));
+    const at::BFloat16* a1 = a0 + 16 * k;
+    alignas(64) float c[4][16][16];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
+      dequant_rows32(qw, scales, mins, bits, k, c0, cols, a0);
+      for (int64_t b = 0; b < blocks; b += 2) {
+        const bool two = b + 1 < blocks;
+        amx_zero_accumulators();
+        for (int64_t j = 0; j < kb; ++j) {
+          _tile_loadd(4, a0 + j * 32, k * 2);
+          _tile_loadd(6, xp + (b * kb + j) * 256, 64);
+          _tile_loadd(5, a1 + j * 32, k * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, xp + ((b + 1) * kb + j) * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        amx_store_accumulators(c, two);
+        for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: rows of block b + t / 2, outputs half t % 2
+          const int64_t row0 = (b + t / 2) * 16, half = t % 2;
+          if (cols > half * 16)
+            amx_store_transposed(c[t], std::min<int64_t>(16, m - row0), bias, out + row0 * n, n, c0 + half * 16, cols - half * 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
+                                      int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
+                                      int64_t k) {
+  const int64_t kb = k / 32, blocks = (m + 15) / 16, tail = m % 16;
+  std::vector<at::BFloat16> pad(tail ? 16 * k : 0, at::BFloat16(0.f));
+  if (tail) std::memcpy(pad.data(), x + (m - tail) * k, tail * k * sizeof(at::BFloat16));
+  auto rows_of = [&](int64_t b) { return (tail && b == blocks - 1) ? pad.data() : x + b * 16 * k; };
+  auto count = [&](int64_t b) { return (tail && b == blocks - 1) ? tail : int64_t(16); };
+  at::parallel_for(0, (n + PANEL_COLS - 1) / PANEL_COLS, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    uint32_t* panel = scratch<0>(PANEL_COLS * k / 2);
+    alignas(64) float c[4][16][16];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
+      dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
+      for (int64_t b = 0; b < blocks; b += 2) {
+        const bool two = b + 1 < blocks;
+        const at::BFloat16 *x0 = rows_of(b), *x1 = two ? rows_of(b + 1) : nullptr;
+        amx_zero_accumulators();
+        for (int64_t j = 0; j < kb; ++j) {
+          _tile_loadd(4, x0 + j * 32, k * 2);
+          _tile_loadd(6, panel + j * 16 * PANEL_COLS, PANEL_COLS * 4);
+          _tile_loadd(7, panel + j * 16 * PANEL_COLS + 16, PANEL_COLS * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, x1 + j * 32, k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        amx_store_accumulators(c, two);
+        for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: rows of block b + t / 2, outputs half t % 2
+          const int64_t blk = b + t / 2, half = t % 2;
+          if (cols > half * 16)
+            amx_store_direct(c[t], count(blk), bias, out + blk * 16 * n, n, c0 + half * 16, cols - half * 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, int64_t bits,
                               const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
+#if defined(HAVE_AMX)
+  if (amx_usable()) {
+    if (m <= AMX_WEIGHTS_FIRST_ROWS) quant_gemm_amx_weights_first(x, qw, scales, mins, bits, bias, out, m, n, k);
+    else quant_gemm_amx_rows_first(x, qw, scales, mins, bits, bias, out, m, n, k);
+    return;
+  }
+#endif
   if (m <= FUSED_ROWS) {
     at::parallel_for(0, (n + 15) / 16, 4, [&](int64_t begin, int64_t end) {
       for (int64_t block = begin; block < end; ++block) {
@@ -2037,8 +2241,7 @@ static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const vo
   }
   const int64_t panels = (n + PANEL_COLS - 1) / PANEL_COLS;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> buffer(PANEL_COLS * k / 2);
-    uint32_t* panel = buffer.data();
+    uint32_t* panel = scratch<0>(PANEL_COLS * k / 2);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
       dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);

@@ -47,7 +47,7 @@ def test_the_kernel_computes_what_its_reference_does(compiled, bits, dtype, rows
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 40, 200])
 def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, bits, rows):
     g = torch.Generator().manual_seed(rows * 10 + bits)
     for n, k in [(13, 96), (96, 64), (577, 576), (33, 1536)]:  # ragged panels, a few groups, SmolLM2's widths
@@ -65,13 +65,14 @@ def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, b
 
 def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
     """int8 in a bf16 engine takes quant_gemm at every row count: a request's output must not
-    depend on how many others share its step (one row, two, a panel's worth, a prefill)."""
+    depend on how many others share its step (one row, two, a panel's worth, a prefill; on AMX
+    the form changes past 128 rows)."""
     g = torch.Generator().manual_seed(5)
     qw = quant.quantize(torch.randn(577, 576, generator=g) * 0.05, 8)
-    x = (torch.randn(40, 576, generator=g) * 3).bfloat16()
+    x = (torch.randn(200, 576, generator=g) * 3).bfloat16()
     whole = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, 8)
-    for size in (1, 2, 3, 5, 17):
-        for start in range(0, 40, size):
+    for size in (1, 2, 3, 5, 17, 40, 130):
+        for start in range(0, 200, size):
             part = compiled.quant_gemm(x[start:start + size], qw.qweight, qw.scales, qw.mins, None, 8)
             assert torch.equal(part, whole[start:start + size]), (size, start)
 
