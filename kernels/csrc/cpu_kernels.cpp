@@ -2043,14 +2043,19 @@ static void dequantize_panel(const uint8_t* qw, const void* scales, const void* 
     }
 }
 
+// bias[c0 .. c0 + 16) where mask has the lane, widened to fp32; zeros without a bias.
+static inline __m512 masked_bias(const at::BFloat16* bias, int64_t c0, __mmask16 mask) {
+  if (!bias) return _mm512_setzero_ps();
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
+}
+
 // Accumulators a[j][h] (16 outputs from c0, `cols` of them real) plus the bias, each rounded to
 // bf16 once, into rows j of out.
 template <int MR, int H>
 static inline void store_outputs(const __m512 (&a)[MR][H], int h, const at::BFloat16* bias, at::BFloat16* out, int64_t n,
                                  int64_t c0, int64_t cols) {
   const __mmask16 mask = first_lanes(cols);
-  __m512 b = _mm512_setzero_ps();
-  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
+  const __m512 b = masked_bias(bias, c0, mask);
   for (int j = 0; j < MR; ++j)
     _mm256_mask_storeu_epi16(out + j * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a[j][h], b)));
 }
@@ -2128,29 +2133,25 @@ static void pack_x_amx(const at::BFloat16* x, int64_t m, int64_t k, uint32_t* xp
   }
 }
 
-// Accumulator tile c[output][row of x] plus the bias, transposed and rounded to bf16, into
-// `rows` rows of out (stride n), outputs c0..c0 + cols.
-static inline void amx_store_transposed(const float (*c)[16], int64_t rows, const at::BFloat16* bias, at::BFloat16* out,
-                                        int64_t n, int64_t c0, int64_t cols) {
-  __m512i v[16];
-  for (int o = 0; o < 16; ++o) v[o] = _mm512_load_si512(c[o]);
-  transpose16x16(v);
-  const __mmask16 mask = first_lanes(cols);
-  __m512 b = _mm512_setzero_ps();
-  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
-  for (int64_t r = 0; r < rows; ++r)
-    _mm256_mask_storeu_epi16(out + r * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(v[r]), b)));
-}
-
-// Accumulator tile c[row of x][output] plus the bias, rounded to bf16, as amx_store_rows but
-// masked to `cols` outputs.
+// Accumulator tile c[row of x][output] plus the bias, rounded to bf16, into `rows` rows of out
+// (stride n), outputs c0..c0 + cols: amx_store_rows masked to `cols` outputs.
 static inline void amx_store_direct(const float (*c)[16], int64_t rows, const at::BFloat16* bias, at::BFloat16* out, int64_t n,
                                     int64_t c0, int64_t cols) {
   const __mmask16 mask = first_lanes(cols);
-  __m512 b = _mm512_setzero_ps();
-  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
+  const __m512 b = masked_bias(bias, c0, mask);
   for (int64_t r = 0; r < rows; ++r)
     _mm256_mask_storeu_epi16(out + r * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b)));
+}
+
+// Accumulator tile c[output][row of x], transposed in place to c[row of x][output], then stored
+// as amx_store_direct stores.
+static inline void amx_store_transposed(float (*c)[16], int64_t rows, const at::BFloat16* bias, at::BFloat16* out, int64_t n,
+                                        int64_t c0, int64_t cols) {
+  __m512i v[16];
+  for (int o = 0; o < 16; ++o) v[o] = _mm512_load_si512(c[o]);
+  transpose16x16(v);
+  for (int r = 0; r < 16; ++r) _mm512_store_si512(c[r], v[r]);
+  amx_store_direct(c, rows, bias, out, n, c0, cols);
 }
 
 static inline void amx_zero_accumulators() {
@@ -2170,44 +2171,51 @@ static inline void amx_store_accumulators(float (*c)[16][16], bool two) {
   }
 }
 
+// Each thread's runs of 32 outputs: run(c0, cols, buffer, c) per panel, with AMX configured,
+// the thread's buffer (32 x in bf16) and its four accumulator tiles' memory.
+template <typename Run>
+static void amx_panels(int64_t n, int64_t k, Run&& run) {
+  at::parallel_for(0, (n + PANEL_COLS - 1) / PANEL_COLS, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();  // tile state is per thread
+    uint32_t* buffer = scratch<0>(PANEL_COLS * k / 2);
+    alignas(64) float c[4][16][16];
+    for (int64_t p = begin; p < end; ++p) run(p * PANEL_COLS, std::min<int64_t>(PANEL_COLS, n - p * PANEL_COLS), buffer, c);
+    _tile_release();
+  });
+}
+
 static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
                                          int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
                                          int64_t k) {
   const int64_t kb = k / 32, blocks = (m + 15) / 16;
   uint32_t* xp = scratch<1>(blocks * kb * 256);
   pack_x_amx(x, m, k, xp);
-  at::parallel_for(0, (n + PANEL_COLS - 1) / PANEL_COLS, 1, [&](int64_t begin, int64_t end) {
-    amx_configure();  // tile state is per thread
-    at::BFloat16* a0 = reinterpret_cast<at::BFloat16*>(scratch<0>(PANEL_COLS * k / 2));
+  amx_panels(n, k, [&](int64_t c0, int64_t cols, uint32_t* buffer, float (*c)[16][16]) {
+    at::BFloat16* a0 = reinterpret_cast<at::BFloat16*>(buffer);
     const at::BFloat16* a1 = a0 + 16 * k;
-    alignas(64) float c[4][16][16];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
-      dequant_rows32(qw, scales, mins, bits, k, c0, cols, a0);
-      for (int64_t b = 0; b < blocks; b += 2) {
-        const bool two = b + 1 < blocks;
-        amx_zero_accumulators();
-        for (int64_t j = 0; j < kb; ++j) {
-          _tile_loadd(4, a0 + j * 32, k * 2);
-          _tile_loadd(6, xp + (b * kb + j) * 256, 64);
-          _tile_loadd(5, a1 + j * 32, k * 2);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          if (two) {
-            _tile_loadd(7, xp + ((b + 1) * kb + j) * 256, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        amx_store_accumulators(c, two);
-        for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: rows of block b + t / 2, outputs half t % 2
-          const int64_t row0 = (b + t / 2) * 16, half = t % 2;
-          if (cols > half * 16)
-            amx_store_transposed(c[t], std::min<int64_t>(16, m - row0), bias, out + row0 * n, n, c0 + half * 16, cols - half * 16);
+    dequant_rows32(qw, scales, mins, bits, k, c0, cols, a0);
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const bool two = b + 1 < blocks;
+      amx_zero_accumulators();
+      for (int64_t j = 0; j < kb; ++j) {
+        _tile_loadd(4, a0 + j * 32, k * 2);
+        _tile_loadd(6, xp + (b * kb + j) * 256, 64);
+        _tile_loadd(5, a1 + j * 32, k * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, xp + ((b + 1) * kb + j) * 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
         }
       }
+      amx_store_accumulators(c, two);
+      for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: rows of block b + t / 2, outputs half t % 2
+        const int64_t row0 = (b + t / 2) * 16, half = t % 2;
+        if (cols > half * 16)
+          amx_store_transposed(c[t], std::min<int64_t>(16, m - row0), bias, out + row0 * n, n, c0 + half * 16, cols - half * 16);
+      }
     }
-    _tile_release();
   });
 }
 
@@ -2219,38 +2227,31 @@ static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, 
   if (tail) std::memcpy(pad.data(), x + (m - tail) * k, tail * k * sizeof(at::BFloat16));
   auto rows_of = [&](int64_t b) { return (tail && b == blocks - 1) ? pad.data() : x + b * 16 * k; };
   auto count = [&](int64_t b) { return (tail && b == blocks - 1) ? tail : int64_t(16); };
-  at::parallel_for(0, (n + PANEL_COLS - 1) / PANEL_COLS, 1, [&](int64_t begin, int64_t end) {
-    amx_configure();
-    uint32_t* panel = scratch<0>(PANEL_COLS * k / 2);
-    alignas(64) float c[4][16][16];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
-      dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
-      for (int64_t b = 0; b < blocks; b += 2) {
-        const bool two = b + 1 < blocks;
-        const at::BFloat16 *x0 = rows_of(b), *x1 = two ? rows_of(b + 1) : nullptr;
-        amx_zero_accumulators();
-        for (int64_t j = 0; j < kb; ++j) {
-          _tile_loadd(4, x0 + j * 32, k * 2);
-          _tile_loadd(6, panel + j * 16 * PANEL_COLS, PANEL_COLS * 4);
-          _tile_loadd(7, panel + j * 16 * PANEL_COLS + 16, PANEL_COLS * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, x1 + j * 32, k * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        amx_store_accumulators(c, two);
-        for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: rows of block b + t / 2, outputs half t % 2
-          const int64_t blk = b + t / 2, half = t % 2;
-          if (cols > half * 16)
-            amx_store_direct(c[t], count(blk), bias, out + blk * 16 * n, n, c0 + half * 16, cols - half * 16);
+  amx_panels(n, k, [&](int64_t c0, int64_t cols, uint32_t* panel, float (*c)[16][16]) {
+    dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const bool two = b + 1 < blocks;
+      const at::BFloat16 *x0 = rows_of(b), *x1 = two ? rows_of(b + 1) : nullptr;
+      amx_zero_accumulators();
+      for (int64_t j = 0; j < kb; ++j) {
+        _tile_loadd(4, x0 + j * 32, k * 2);
+        _tile_loadd(6, panel + j * 16 * PANEL_COLS, PANEL_COLS * 4);
+        _tile_loadd(7, panel + j * 16 * PANEL_COLS + 16, PANEL_COLS * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, x1 + j * 32, k * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
         }
       }
+      amx_store_accumulators(c, two);
+      for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: rows of block b + t / 2, outputs half t % 2
+        const int64_t blk = b + t / 2, half = t % 2;
+        if (cols > half * 16)
+          amx_store_direct(c[t], count(blk), bias, out + blk * 16 * n, n, c0 + half * 16, cols - half * 16);
+      }
     }
-    _tile_release();
   });
 }
 #endif
