@@ -22,11 +22,13 @@ decides alone until a write lands (tenants.fallback).
 
     .venv/bin/python bench/isolation.py             # ~3-4 minutes on 2 cores
     .venv/bin/python bench/isolation.py --samples 40
+    .venv/bin/python bench/isolation.py --front nginx   # through deploy/nginx.conf, as production runs
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -43,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis  # noqa: E402
 
+from tests.conftest import free_port  # noqa: E402
 from tests.live import LiveServer, start_live_server  # noqa: E402
+from tests.nginx_front import start_nginx  # noqa: E402
 from tests.serving.rawsse import SocketStream, request_bytes  # noqa: E402
 
 BIG = {"requests_per_minute": 100_000, "tokens_per_minute": 50_000_000, "concurrent_streams": 1000,
@@ -298,11 +302,22 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=25, help="bystander requests per row")
     parser.add_argument("--only", action="append", choices=[name for name, _ in ATTACKS], metavar="ATTACK",
                         help="run only this attack (again for more), beside the idle row; default: all")
+    parser.add_argument("--front", choices=["none", "nginx"], default="none",
+                        help="nginx: every request (bystander's and attacker's) through deploy/nginx.conf in "
+                             "front of the server, as production runs it (Debian's nginx)")
+    parser.add_argument("--connections-per-key", type=int, default=128,
+                        help="with --front nginx: its per-key bound on open requests (deploy/nginx.py's default)")
     args = parser.parse_args()
     attacks = [(name, attack) for name, attack in ATTACKS if not args.only or name in args.only]
     with tempfile.TemporaryDirectory() as tmp:
         server, stop_server = start_live_server(Path(tmp), TIERS, TENANTS, ENV)
+        stop_front = None
         try:
+            if args.front == "nginx":
+                port = free_port()
+                stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://")],
+                                         args.connections_per_key)
+                server = dataclasses.replace(server, url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}")
             stop_chars = server.django("from django.conf import settings\n"
                                        "result = getattr(settings, 'MAX_STOP_CHARS', 0)")
             for _ in range(3):  # warm the kernels and the bystander's path
@@ -322,11 +337,15 @@ def main() -> None:
                 rows.append((name, times, failed, summary(outcome)))
                 print(f"{name}: done", file=sys.stderr, flush=True)
         finally:
+            if stop_front is not None:
+                stop_front()
             stop_server()
     base = pct(idle, 99)
     print(f"\nbystander: streamed chat, max_tokens 8, {args.samples} sequential requests per row; "
           f"attacker on a tier of {ORDINARY['concurrent_streams']} concurrent generations; "
-          f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}\n")
+          f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}"
+          + (f"; through nginx, {args.connections_per_key} open requests per key" if args.front == "nginx" else "")
+          + "\n")
     print("| attack | TTFT p50 (s) | TTFT p99 (s) | p99 / idle p99 | bystander failures | what the attacker got |")
     print("|---|---|---|---|---|---|")
     for name, times, failed, note in rows:
