@@ -28,6 +28,11 @@ linear_amx's bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model
 vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `KERNEL_ROWS`: quantized x and
 integer dots run one row 3x faster, and a verifying pass of speculative decoding must compute
 a row as a one-row decode does.
+Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), rows past
+`KERNEL_ROWS` take `quant_gemm_f32`: 64 weight rows at a time dequantized into a buffer that
+stays in L2, times x by ATen's GEMM. Over SmolLM2's layers on a 2-core Zen 1 EPYC (AVX2) it
+ran 1.1-1.8x the fp32 GEMM at 33-256 rows (it reads a byte or half a byte a weight where fp32
+reads four), where dequantizing each layer whole into a fresh copy ran 0.7-0.8x.
 On CUDA, `quant_linear_triton` dequantizes each tile of the weights in registers for every row
 count (checked against the dequantized copy under the interpreter and compiled for sm_90 and
 sm_80 in the tests; not yet measured on a GPU).
@@ -259,4 +264,6 @@ class QuantLinear:
             return self.module.quant_gemm(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
         if self.module is not None and rows <= KERNEL_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
+        if self.module is not None and x.dtype == torch.float32:
+            return self.module.quant_gemm_f32(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
         return F.linear(x, dequantize(self.qw, x.dtype), self.bias)

@@ -1893,6 +1893,92 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
   return out;
 }
 
+// A buffer per thread and purpose, kept between calls: no allocation or zeroing per call.
+template <int PURPOSE>
+static uint32_t* scratch(int64_t words) {
+  thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
+  return buffer.data();
+}
+
+// quant_gemm_f32: out = x @ W.T (+ bias) for fp32 x over int8 or int4 weights, more rows than
+// quant_linear takes, where there is no quant_gemm (no AVX512-BF16: the engine runs fp32).
+// Each thread dequantizes QUANT_F32_PANEL weight rows at a time into an fp32 buffer of its own
+// (147-393 KB at SmolLM2's widths, in L2) and multiplies x by it with ATen's GEMM, writing the
+// panel's columns of out in place. Dequantizing each layer whole into a fresh fp32 copy for
+// one GEMM wrote and read 4 bytes a weight through memory and faulted the copy's pages in
+// again every call: offline int8 ran 0.59x fp32 on a 2-core Zen 1 EPYC (AVX2).
+static constexpr int64_t QUANT_F32_PANEL = 64;
+
+// Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k), as quant_dequantize
+// computes them.
+static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k,
+                             int64_t c0, int64_t cols, float* buf) {
+  const int64_t groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
+  for (int64_t r = 0; r < cols; ++r) {
+    const int64_t row = c0 + r;
+    const uint8_t* q = qw + row * row_bytes;
+    float* dst = buf + r * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = row * groups + g;
+      const float d = bits == 8 ? static_cast<const float*>(scales)[at] : static_cast<float>(static_cast<const at::Half*>(scales)[at]);
+      const float base = bits == 8 ? static_cast<const float*>(mins)[at] : static_cast<float>(static_cast<const at::Half*>(mins)[at]);
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(base);
+      if (bits == 8) {
+        const uint8_t* p = q + g * 32;
+        for (int c = 0; c < 32; c += 8) _mm256_storeu_ps(dst + g * 32 + c, _mm256_fmadd_ps(widen8(p + c), dv, mv));
+      } else {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        alignas(16) uint8_t levels[32];
+        _mm_store_si128(reinterpret_cast<__m128i*>(levels), _mm_and_si128(b, low));
+        _mm_store_si128(reinterpret_cast<__m128i*>(levels + 16), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        for (int c = 0; c < 32; c += 8) _mm256_storeu_ps(dst + g * 32 + c, _mm256_fmadd_ps(widen8(levels + c), dv, mv));
+      }
+#else
+      const uint8_t* p = bits == 8 ? q + g * 32 : q + g * 16;
+      for (int c = 0; c < 32; ++c) {
+        const int level = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
+        dst[g * 32 + c] = std::fma(d, static_cast<float>(level), base);
+      }
+#endif
+    }
+  }
+}
+
+torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                             c10::optional<torch::Tensor> bias, int64_t bits) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "quant_gemm_f32 takes fp32 x");
+  const int64_t k = x.size(-1);
+  check_quantized(qweight, scales, mins, bits, k);
+  x = x.contiguous();
+  const int64_t n = qweight.size(0), m = x.numel() / k;
+  torch::Tensor bias_c = checked_bias(bias, x, n);
+  auto out = linear_out(x, n);
+  const auto x2 = x.view({m, k});
+  auto out2 = out.view({m, n});
+  const int64_t panels = (n + QUANT_F32_PANEL - 1) / QUANT_F32_PANEL;
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // The pool's threads do not inherit the caller's inference mode, and out may be an
+    // inference tensor: ATen refuses to write one outside it.
+    c10::InferenceMode inference;
+    float* buf = reinterpret_cast<float*>(scratch<3>(QUANT_F32_PANEL * k));
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t c0 = panel * QUANT_F32_PANEL, cols = std::min(QUANT_F32_PANEL, n - c0);
+      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, c0, cols, buf);
+      const auto w = torch::from_blob(buf, {cols, k}, x.options());
+      // Inside the parallel region ATen's GEMM runs on this thread alone; out's columns
+      // [c0, c0 + cols) are a matrix of leading dimension n, written where they lie.
+      auto part = out2.narrow(1, c0, cols);
+      if (bias_c.defined()) at::addmm_out(part, bias_c.narrow(0, c0, cols), x2, w.t());
+      else at::mm_out(part, x2, w.t());
+    }
+  });
+  return out;
+}
+
 // quant_gemm: out = x @ W.T (+ bias) for bf16 x over int8 or int4 weights, at any row count,
 // where the CPU dots bf16 natively (AVX512-BF16). Each thread dequantizes a panel of 32
 // weight rows into a bf16 buffer of its own (36-96 KB at SmolLM2's widths, in cache), exactly
@@ -1967,14 +2053,6 @@ static inline void transpose16x16(__m512i* v) {
     v[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
     v[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
   }
-}
-
-// A buffer per thread and purpose, kept between calls: no allocation or zeroing per call.
-template <int PURPOSE>
-static uint32_t* scratch(int64_t words) {
-  thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
-  return buffer.data();
 }
 
 // Rows ahead of the one being dequantized whose bytes are asked for: a one-row int8 pass over
@@ -2371,6 +2449,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_available", &quant_gemm_available, "whether quant_gemm runs vectorized here (AVX512-BF16); elsewhere it is a slow portable loop");
   m.def("quant_gemm", &quant_gemm, NOGIL,
         "x @ W.T + bias for bf16 x, W int8 or int4 (kernels.quant) dequantized a panel at a time, any row count (CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
+  m.def("quant_gemm_f32", &quant_gemm_f32, NOGIL,
+        "x @ W.T + bias for fp32 x, W int8 or int4 (kernels.quant) dequantized a panel at a time into ATen's GEMM (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
   m.def("quant_dequantize", &quant_dequantize, NOGIL, "int8 or int4 weights (kernels.quant) back in fp32 or bf16 (CPU)",
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("in_features"), py::arg("dtype"));

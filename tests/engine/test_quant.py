@@ -98,6 +98,24 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled):
             assert torch.equal(layer(x), want), (bits, rows)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_gemm_f32_computes_x_times_the_weights_dequantized_panel_by_panel(compiled, bits):
+    """fp32 x past KERNEL_ROWS where there is no quant_gemm: 200 outputs are three full panels of
+    64 and a part one, each written in place into its columns of out, with the bias."""
+    g = torch.Generator().manual_seed(20 + bits)
+    w = torch.randn(200, 96, generator=g) * 0.05
+    qw = quant.quantize(w, bits)
+    dense = quant.dequantize(qw, torch.float32)
+    bias = torch.randn(200, generator=g)
+    for shape in ((quant.KERNEL_ROWS + 1, 96), (3, 50, 96)):
+        x = torch.randn(*shape, generator=g)
+        got = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, bias, bits)
+        assert got.shape == (*shape[:-1], 200)
+        assert torch.allclose(got, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5), (bits, shape)
+        unbiased = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, None, bits)
+        assert torch.allclose(unbiased + bias, got, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits, worst", [(8, 0.005), (4, 0.08)])
 def test_quantized_weights_stay_close_and_dequantize_alike_in_cpp_and_pytorch(compiled, bits, worst):
     w = torch.randn(257, 192, generator=torch.Generator().manual_seed(bits)) * 0.05
@@ -122,13 +140,15 @@ def test_int4_puts_q4_1_weights_back_on_their_own_grid():
     assert (back - w).abs().max() <= 1e-3 * w.abs().max()
 
 
-def test_a_linear_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many(compiled):
+def test_an_fp32_layer_takes_the_kernel_for_few_rows_and_dequantized_panels_for_many(compiled):
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05
     layer = quant.QuantLinear(quant.quantize(w, 8))
     few = torch.randn(quant.KERNEL_ROWS, 96)
     many = torch.randn(quant.KERNEL_ROWS + 1, 96)
     assert torch.allclose(layer(few), quant.quant_linear_reference(few, layer.qw), atol=1e-5)
     assert torch.allclose(layer(many), many @ quant.dequantize(layer.qw).T, atol=1e-5)
+    qw = layer.qw
+    assert torch.equal(layer(many), compiled.quant_gemm_f32(many, qw.qweight, qw.scales, qw.mins, None, 8))
 
 
 def test_an_unknown_quantization_is_a_config_error():
