@@ -305,8 +305,6 @@ def main() -> None:
     parser.add_argument("--front", choices=["none", "nginx"], default="none",
                         help="nginx: every request (bystander's and attacker's) through deploy/nginx.conf in "
                              "front of the server, as production runs it (Debian's nginx)")
-    parser.add_argument("--connections-per-key", type=int, default=128,
-                        help="with --front nginx: its per-key bound on open requests (deploy/nginx.py's default)")
     args = parser.parse_args()
     attacks = [(name, attack) for name, attack in ATTACKS if not args.only or name in args.only]
     with tempfile.TemporaryDirectory() as tmp:
@@ -315,8 +313,7 @@ def main() -> None:
         try:
             if args.front == "nginx":
                 port = free_port()
-                stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://")],
-                                         args.connections_per_key)
+                stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://")])
                 server = dataclasses.replace(server, url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}")
             stop_chars = server.django("from django.conf import settings\n"
                                        "result = getattr(settings, 'MAX_STOP_CHARS', 0)")
@@ -344,7 +341,7 @@ def main() -> None:
     print(f"\nbystander: streamed chat, max_tokens 8, {args.samples} sequential requests per row; "
           f"attacker on a tier of {ORDINARY['concurrent_streams']} concurrent generations; "
           f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}"
-          + (f"; through nginx, {args.connections_per_key} open requests per key" if args.front == "nginx" else "")
+          + ("; through nginx (deploy/nginx.conf)" if args.front == "nginx" else "")
           + "\n")
     print("| attack | TTFT p50 (s) | TTFT p99 (s) | p99 / idle p99 | bystander failures | what the attacker got |")
     print("|---|---|---|---|---|---|")

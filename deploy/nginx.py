@@ -12,7 +12,7 @@ from pathlib import Path
 TEMPLATE = Path(__file__).resolve().parent / "nginx.conf"
 
 
-def render(listen: str, upstreams: list[str], run_dir: str, max_body: str, connections_per_key: int) -> str:
+def render(listen: str, upstreams: list[str], run_dir: str, max_body: str) -> str:
     # max_fails=0: nginx's passive marking let a replica back only through one probe request
     # per fail_timeout and counted it failed until that probe completed; with a stream as the
     # probe, a replica refused once while loading stayed out of its worker's rotation for the
@@ -20,8 +20,7 @@ def render(listen: str, upstreams: list[str], run_dir: str, max_body: str, conne
     # upstreams" (tests/cluster's kill -9 test). Every request now tries its hashed replica and
     # goes on to the next when the connect is refused (proxy_next_upstream).
     servers = "\n".join(f"        server {u} max_fails=0;" for u in upstreams)
-    fields = {"@LISTEN@": listen, "@UPSTREAMS@": servers, "@RUN_DIR@": run_dir, "@MAX_BODY@": max_body,
-              "@CONNECTIONS_PER_KEY@": str(connections_per_key)}
+    fields = {"@LISTEN@": listen, "@UPSTREAMS@": servers, "@RUN_DIR@": run_dir, "@MAX_BODY@": max_body}
     text = TEMPLATE.read_text()
     for name, value in fields.items():
         text = text.replace(name, value)
@@ -34,15 +33,9 @@ def main() -> None:
     parser.add_argument("--upstream", action="append", required=True, help="a replica's host:port (repeat)")
     parser.add_argument("--run-dir", required=True, help="where nginx keeps its pid, log and temporary files")
     parser.add_argument("--max-body", default="101M", help="client_max_body_size: FILES_MAX_BYTES and its form")
-    parser.add_argument("--connections-per-key", type=int, default=int(os.environ.get("NGINX_CONNECTIONS_PER_KEY", "128")),
-                        help="requests open at once per API key, refused past it with a 429 (default: "
-                             "$NGINX_CONNECTIONS_PER_KEY, else 128; the seeded tiers need 48, realtime's 32 "
-                             "generations and SLOT_WAITERS_PER_TENANT 16)")
     args = parser.parse_args()
-    if args.connections_per_key < 1:
-        parser.error(f"--connections-per-key must be at least 1, not {args.connections_per_key}")
     run_dir = os.path.abspath(args.run_dir)
-    print(render(args.listen, args.upstream, run_dir, args.max_body, args.connections_per_key), end="")
+    print(render(args.listen, args.upstream, run_dir, args.max_body), end="")
 
 
 if __name__ == "__main__":

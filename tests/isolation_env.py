@@ -94,8 +94,6 @@ TENANTS: dict[str, str] = {
     "rpm-1": "rpm-1",
     # tests/cluster/test_nginx.py: nginx in front of this server
     "proxied": "hostile-p1",
-    # tests/cluster/test_nginx.py: another key, served while "proxied" is past its open requests
-    "proxied-other": "hostile-p1",
 }
 
 # Settings of the live server (environment variables).

@@ -17,15 +17,14 @@ NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 MISSING = "needs Debian's nginx at /usr/sbin/nginx: apt-get install nginx-light (make test installs it as root)"
 
 
-def start_nginx(run_dir: Path, port: int, upstreams: list[str], connections_per_key: int = 128) -> Callable[[], None]:
+def start_nginx(run_dir: Path, port: int, upstreams: list[str]) -> Callable[[], None]:
     """nginx on 127.0.0.1:`port` in front of `upstreams` (host:port), listening when this
     returns; the callable stops it."""
     if not os.path.exists(NGINX):
         raise RuntimeError(MISSING)
     run_dir.mkdir(parents=True, exist_ok=True)
     conf = subprocess.run([sys.executable, str(ROOT / "deploy" / "nginx.py"), "--listen", f"127.0.0.1:{port}",
-                           *[arg for u in upstreams for arg in ("--upstream", u)], "--run-dir", str(run_dir),
-                           "--connections-per-key", str(connections_per_key)],
+                           *[arg for u in upstreams for arg in ("--upstream", u)], "--run-dir", str(run_dir)],
                           check=True, capture_output=True, text=True).stdout
     (run_dir / "nginx.conf").write_text(conf)
     # As root (as make test runs): workers of a root master would otherwise run as nobody,
