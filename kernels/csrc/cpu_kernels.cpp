@@ -1805,15 +1805,29 @@ static void check_quantized(const torch::Tensor& qweight, const torch::Tensor& s
                 "scales and mins must be contiguous [out_features, in_features / 32], fp32 (int8) or fp16 (int4)");
 }
 
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                           c10::optional<torch::Tensor> bias, int64_t bits) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "quant_linear takes fp32 or bf16 x");
+// A call's x (contiguous) against quantized weights, checked: its rows, the bias and the output.
+struct QuantCall {
+  torch::Tensor x, bias, out;
+  int64_t m, n, k;
+};
+
+static QuantCall quant_call(torch::Tensor x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                            const torch::Tensor& mins, const c10::optional<torch::Tensor>& bias, int64_t bits) {
   const int64_t k = x.size(-1);
   check_quantized(qweight, scales, mins, bits, k);
   x = x.contiguous();
-  const int64_t n = qweight.size(0), m = x.numel() / k, groups = k / 32;
+  const int64_t n = qweight.size(0);
   torch::Tensor bias_c = checked_bias(bias, x, n);
-  auto out = linear_out(x, n);
+  torch::Tensor out = linear_out(x, n);
+  return {x, bias_c, out, x.numel() / k, n, k};
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                           c10::optional<torch::Tensor> bias, int64_t bits) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "quant_linear takes fp32 or bf16 x");
+  auto [xc, bias_c, out, m, n, k] = quant_call(x, qweight, scales, mins, bias, bits);
+  x = xc;
+  const int64_t groups = k / 32;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   auto f32 = x.options().dtype(torch::kFloat);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
@@ -1866,52 +1880,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 
 // The weights back in `dtype`, [out_features, in_features]: for long prefill chunks where bf16 is
 // not native (oneDNN's GEMM over them), and for the embedding's lookups.
-torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                               int64_t in_features, at::ScalarType dtype) {
-  const int64_t k = in_features;
-  check_quantized(qweight, scales, mins, bits, k);
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "quant_dequantize gives fp32 or bf16");
-  const int64_t n = qweight.size(0), groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
-  auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
-  const uint8_t* qw = qweight.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "quant_dequantize", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t row = g / groups, col = g % groups;
-        const float d = bits == 8 ? scales.data_ptr<float>()[g] : static_cast<float>(scales.data_ptr<at::Half>()[g]);
-        const float base = bits == 8 ? mins.data_ptr<float>()[g] : static_cast<float>(mins.data_ptr<at::Half>()[g]);
-        const uint8_t* p = qw + row * row_bytes + col * (bits == 8 ? 32 : 16);
-        scalar_t* dst = o + g * 32;
-        for (int c = 0; c < 32; ++c) {
-          const int q = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
-          dst[c] = static_cast<scalar_t>(d * static_cast<float>(q) + base);
-        }
-      }
-    });
-  });
-  return out;
-}
-
-// A buffer per thread and purpose, kept between calls: no allocation or zeroing per call.
-template <int PURPOSE>
-static uint32_t* scratch(int64_t words) {
-  thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
-  return buffer.data();
-}
-
-// quant_gemm_f32: out = x @ W.T (+ bias) for fp32 x over int8 or int4 weights, more rows than
-// quant_linear takes, where there is no quant_gemm (no AVX512-BF16: the engine runs fp32).
-// Each thread dequantizes QUANT_F32_PANEL weight rows at a time into an fp32 buffer of its own
-// (147-393 KB at SmolLM2's widths, in L2) and multiplies x by it with ATen's GEMM, writing the
-// panel's columns of out in place. Dequantizing each layer whole into a fresh fp32 copy for
-// one GEMM wrote and read 4 bytes a weight through memory and faulted the copy's pages in
-// again every call: offline int8 ran 0.59x fp32 on a 2-core Zen 1 EPYC (AVX2).
-static constexpr int64_t QUANT_F32_PANEL = 64;
-
-// Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k), as quant_dequantize
-// computes them.
+// Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k): quant_dequantize's
+// fp32 copy and quant_gemm_f32's panels.
 static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k,
                              int64_t c0, int64_t cols, float* buf) {
   const int64_t groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
@@ -1947,15 +1917,60 @@ static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* 
   }
 }
 
+torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                               int64_t in_features, at::ScalarType dtype) {
+  const int64_t k = in_features;
+  check_quantized(qweight, scales, mins, bits, k);
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "quant_dequantize gives fp32 or bf16");
+  const int64_t n = qweight.size(0), groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
+  auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  if (dtype == torch::kFloat) {
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k);
+    });
+    return out;
+  }
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t row = g / groups, col = g % groups;
+      const float d = bits == 8 ? scales.data_ptr<float>()[g] : static_cast<float>(scales.data_ptr<at::Half>()[g]);
+      const float base = bits == 8 ? mins.data_ptr<float>()[g] : static_cast<float>(mins.data_ptr<at::Half>()[g]);
+      const uint8_t* p = qw + row * row_bytes + col * (bits == 8 ? 32 : 16);
+      at::BFloat16* dst = o + g * 32;
+      for (int c = 0; c < 32; ++c) {
+        const int q = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
+        dst[c] = static_cast<at::BFloat16>(d * static_cast<float>(q) + base);
+      }
+    }
+  });
+  return out;
+}
+
+// A buffer per thread and purpose, kept between calls: no allocation or zeroing per call.
+template <int PURPOSE>
+static uint32_t* scratch(int64_t words) {
+  thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
+  return buffer.data();
+}
+
+// quant_gemm_f32: out = x @ W.T (+ bias) for fp32 x over int8 or int4 weights, more rows than
+// quant_linear takes, where there is no quant_gemm (no AVX512-BF16: the engine runs fp32).
+// Each thread dequantizes QUANT_F32_PANEL weight rows at a time into an fp32 buffer of its own
+// (147-393 KB at SmolLM2's widths, in L2) and multiplies x by it with ATen's GEMM, writing the
+// panel's columns of out in place. Dequantizing each layer whole into a fresh fp32 copy for
+// one GEMM wrote and read 4 bytes a weight through memory and faulted the copy's pages in
+// again every call: offline int8 ran 0.59x fp32 on a 2-core Zen 1 EPYC (AVX2).
+static constexpr int64_t QUANT_F32_PANEL = 64;
+
 torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                              c10::optional<torch::Tensor> bias, int64_t bits) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "quant_gemm_f32 takes fp32 x");
-  const int64_t k = x.size(-1);
-  check_quantized(qweight, scales, mins, bits, k);
-  x = x.contiguous();
-  const int64_t n = qweight.size(0), m = x.numel() / k;
-  torch::Tensor bias_c = checked_bias(bias, x, n);
-  auto out = linear_out(x, n);
+  auto [xc, bias_c, out, m, n, k] = quant_call(x, qweight, scales, mins, bias, bits);
+  x = xc;
   const auto x2 = x.view({m, k});
   auto out2 = out.view({m, n});
   const int64_t panels = (n + QUANT_F32_PANEL - 1) / QUANT_F32_PANEL;
@@ -2393,13 +2408,9 @@ bool quant_gemm_available() {
 
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                          c10::optional<torch::Tensor> bias, int64_t bits) {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_gemm takes bf16 x");
-  const int64_t k = x.size(-1);
-  check_quantized(qweight, scales, mins, bits, k);
-  x = x.contiguous();
-  const int64_t n = qweight.size(0), m = x.numel() / k;
-  torch::Tensor bias_c = checked_bias(bias, x, n);
-  auto out = linear_out(x, n);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_gemm takes bf16 x");
+  auto [xc, bias_c, out, m, n, k] = quant_call(x, qweight, scales, mins, bias, bits);
+  x = xc;
   const at::BFloat16* b = bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr;
 #if defined(HAVE_QUANT_GEMM)
   quant_gemm_kernel(x.data_ptr<at::BFloat16>(), qweight.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), bits, b,
