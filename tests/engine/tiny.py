@@ -51,9 +51,9 @@ def one_thread():
 
 
 @lru_cache(maxsize=None)
-def tiny_model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
+def tiny_model(seed: int = 0, config: ModelConfig = TINY, dtype: torch.dtype = torch.float32) -> LlamaModel:
     # Shared between tests: the model holds no state between forward calls (the cache is the runner's).
-    return LlamaModel(config, random_tensors(config, seed, std=0.5), torch.float32, torch.device("cpu"))
+    return LlamaModel(config, random_tensors(config, seed, std=0.5), dtype, torch.device("cpu"))
 
 
 @lru_cache(maxsize=None)
@@ -84,12 +84,13 @@ def tiny_engine(
     swap_space_bytes: int = 64 * 1024,
     make_runner: RunnerFactory = ModelRunner,
     draft: LlamaModel | None = None,
+    model: LlamaModel | None = None,
     **overrides,
 ) -> LLMEngine:
     """A tiny-model engine on a manual clock (arrival times in tests are on that clock),
     with a swap pool sized for tiny models rather than the 1 GiB default. `make_runner`:
     the runner seam (`fake_runner(SumRunner())`, or a wrapper around the real ModelRunner);
-    `draft`: the draft model of speculative "draft"."""
+    `draft`: the draft model of speculative "draft"; `model`: another than tiny_model()."""
     config = EngineConfig(
         swap_space_bytes=swap_space_bytes,
         num_blocks=num_blocks,
@@ -98,7 +99,8 @@ def tiny_engine(
         max_num_seqs=max_num_seqs,
         **overrides,
     )
-    return LLMEngine(config, LoadedModel(tiny_model(), draft=draft), make_runner=make_runner, clock=clock or ManualClock())
+    return LLMEngine(config, LoadedModel(model or tiny_model(), draft=draft), make_runner=make_runner,
+                     clock=clock or ManualClock())
 
 
 def fake_runner(runner) -> RunnerFactory:
