@@ -63,6 +63,20 @@ def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, b
                            compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, torch.zeros_like(bias), bits))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(compiled, bits, dtype):
+    """A decode step's row and the same row in a speculative verifying pass (or beside other
+    sequences' rows) must come out alike: the kernel takes x 4 rows at a time and the rest 1-3."""
+    g = torch.Generator().manual_seed(bits)
+    qw = quant.quantize(torch.randn(577, 576, generator=g) * 0.05, bits)
+    x = (torch.randn(32, 576, generator=g) * 3).to(dtype)
+    alone = [compiled.quant_linear(x[i:i + 1].clone(), qw.qweight, qw.scales, qw.mins, None, bits) for i in range(32)]
+    for size in (2, 3, 4, 5, 9, 32):
+        got = compiled.quant_linear(x[:size].clone(), qw.qweight, qw.scales, qw.mins, None, bits)
+        assert torch.equal(got, torch.cat(alone[:size])), size
+
+
 def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
     """int8 in a bf16 engine takes quant_gemm at every row count: a request's output must not
     depend on how many others share its step (one row, two, a panel's worth, a prefill; on AMX
