@@ -265,6 +265,9 @@ INFERENCE = {
     "DRAFT_MODEL": env.str("INFERENCE_DRAFT_MODEL", default=""),
     "NUM_SPECULATIVE_TOKENS": env.int("INFERENCE_NUM_SPECULATIVE_TOKENS", default=4),
     "SPECULATIVE_MAX_BATCH": env.int("INFERENCE_SPECULATIVE_MAX_BATCH", default=8),
+    # Up to NUM_SPECULATIVE_TOKENS, the draft length that pays by measured step times and
+    # acceptance (EngineConfig.speculative_adaptive); false: always NUM_SPECULATIVE_TOKENS.
+    "SPECULATIVE_ADAPTIVE": env.bool("INFERENCE_SPECULATIVE_ADAPTIVE", default=True),
     # ngram: the shortest match of a sequence's last tokens that proposes (1-3; EngineConfig.ngram_min).
     "NGRAM_MIN": env.int("INFERENCE_NGRAM_MIN", default=3),
     # Where converted weights and tokenizers are kept ("": ~/.cache/llm-platform).

@@ -63,6 +63,7 @@ def engine_config() -> EngineConfig:
         draft_model=conf["DRAFT_MODEL"] or None,
         num_speculative_tokens=conf["NUM_SPECULATIVE_TOKENS"],
         speculative_max_batch=conf["SPECULATIVE_MAX_BATCH"],
+        speculative_adaptive=conf["SPECULATIVE_ADAPTIVE"],
         ngram_min=conf["NGRAM_MIN"],
         cache_dir=conf["CACHE_DIR"] or None,
     )

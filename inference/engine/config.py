@@ -145,6 +145,11 @@ class EngineConfig:
     # No speculation in a step whose decoding sequences exceed this many: a full batch is
     # compute-bound, and the pass over rejected drafts costs more than it saves.
     speculative_max_batch: int = 8
+    # Up to num_speculative_tokens, the draft length each step expects to emit the most tokens
+    # per second with, from step times and acceptance measured as it runs (speculative.Governor):
+    # speculation that does not pay on this machine and text turns itself down or off. False:
+    # always num_speculative_tokens.
+    speculative_adaptive: bool = True
     # Where converted weights and tokenizers are kept (None: ~/.cache/llm-platform).
     cache_dir: str | None = None
 

@@ -332,7 +332,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
+        started, began = time.perf_counter(), self.clock()
         schedule = self.scheduler.schedule()
         try:
             sampled = self.runner.run(schedule) if schedule.scheduled or schedule.swap_out else []
@@ -347,7 +347,13 @@ class LLMEngine:
             elapsed = max(time.perf_counter() - started, 1e-6)
             self.tokens_per_s = max(schedule.num_batched_tokens / elapsed, 0.98 * self.tokens_per_s)
             self.step_s = elapsed if not self.step_s else 0.8 * self.step_s + 0.2 * elapsed
-        return self._timed_out_outputs(schedule) + self._postprocess(schedule, sampled)
+        outputs = self._timed_out_outputs(schedule) + self._postprocess(schedule, sampled)
+        governor = self.scheduler.governor
+        if governor is not None and schedule.scheduled and not schedule.swap_out and not schedule.swap_in and all(
+                item.num_new_tokens == 1 and not item.catch_up for item in schedule.scheduled):
+            # A decode-only step, timed on the engine's clock (a test's manual one is moved by its runner).
+            governor.observe_step(sum(item.num_query_tokens for item in schedule.scheduled), self.clock() - began)
+        return outputs
 
     def _timed_out_outputs(self, schedule) -> list[RequestOutput]:
         outputs = []
@@ -385,6 +391,8 @@ class LLMEngine:
         # The draft model's cache holds its proposals' keys and values: the accepted ones stay.
         seq.draft_computed_tokens = min(seq.draft_computed_tokens, seq.num_computed_tokens)
         self.block_manager.release_tail(seq, seq.num_computed_tokens)
+        if self.scheduler.governor is not None:
+            self.scheduler.governor.observe_pass(seq, item.num_draft, accepted)
         c = self.counters
         c.spec_passes[seq.lane] += 1
         c.spec_draft_tokens[seq.lane] += item.num_draft

@@ -41,7 +41,7 @@ from inference.engine.api import Lane
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.sequence import Sequence, SequenceStatus
-from inference.engine.speculative import propose_ngram, speculates
+from inference.engine.speculative import Governor, propose_ngram, speculates
 
 
 class Policy:
@@ -231,6 +231,9 @@ class Scheduler:
         self.clock = clock
         self.block_manager = block_manager
         self.policy = policy or make_policy(config)
+        # The draft length that pays, by measured step times (None: always num_speculative_tokens).
+        adaptive = config.speculative != "off" and config.speculative_adaptive
+        self.governor = Governor(config.num_speculative_tokens) if adaptive else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -372,12 +375,15 @@ class Scheduler:
 
     def _speculation_width(self) -> int:
         """Draft tokens a decoding sequence may propose this step: 0 when speculation is off, or
-        when more sequences decode than speculative_max_batch (a compute-bound batch)."""
+        when more sequences decode than speculative_max_batch (a compute-bound batch); else
+        num_speculative_tokens, or with speculative_adaptive what the governor expects to pay."""
         config = self.config
         if config.speculative == "off":
             return 0
-        decoding = sum(1 for s in self.running if not s.paused and s.num_computed_tokens == s.num_tokens - 1)
-        return config.num_speculative_tokens if decoding <= config.speculative_max_batch else 0
+        decoding = [s for s in self.running if not s.paused and s.num_computed_tokens == s.num_tokens - 1]
+        if len(decoding) > config.speculative_max_batch:
+            return 0
+        return self.governor.width(decoding) if self.governor is not None else config.num_speculative_tokens
 
     def _draft(self, seq: Sequence, width: int, step: _Step) -> tuple[tuple[int, ...], int]:
         """`seq`'s proposal for this decode step, cut to what its max_tokens, the step's budget

@@ -42,6 +42,11 @@ class Sequence:
     # Tokens whose keys and values the draft model (speculative "draft") has in its own cache,
     # in the same blocks: it catches up from here before it proposes.
     draft_computed_tokens: int = 0
+    # Per draft position, decayed counts of passes that reached it (every draft before it was
+    # accepted) and of those that accepted it: speculative.Governor's estimate of how far this
+    # sequence's drafts are right.
+    spec_reached: list[float] = field(default_factory=list)
+    spec_accepted: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission that its tenant had before
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this sequence's full, computed blocks

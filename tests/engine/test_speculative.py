@@ -14,7 +14,7 @@ from inference.engine.config import EngineConfig
 from inference.engine.model_runner import ModelRunner
 from inference.engine.sampler import draw, filter_probs
 from inference.engine.scheduler import ScheduledSeq, SchedulerOutput
-from inference.engine.speculative import propose_ngram, verify
+from inference.engine.speculative import Governor, propose_ngram, verify
 from tests.engine.tiny import (TINY, ManualClock, greedy_params, live_seqs, one_thread, run_to_completion,  # noqa: F401
                                smol_tokenizer, tiny_engine, tiny_model, tokens_of)
 
@@ -248,6 +248,114 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_text_and_the_tokens_there
     assert want.finish_reason == got.finish_reason == "stop" and stop not in want.text
     assert (got.text, got.token_ids) == (want.text, want.token_ids)
     assert stats.spec_accepted_tokens > 0 and stats.generated_tokens == len(want.token_ids)
+
+
+# -- the draft length that pays ---------------------------------------------------------------
+
+
+def seq_after(governor: Governor, passes: list[tuple[int, int]]):
+    """A sequence whose verifying passes, in order, proposed and accepted these many drafts."""
+    seq = tiny_engine().add_request("g", [1, 2, 3], greedy_params(8))
+    for proposed, accepted in passes:
+        governor.observe_pass(seq, proposed, accepted)
+    return seq
+
+
+def measured(governor: Governor, seconds_for_rows) -> Governor:
+    for rows in range(1, 6):
+        governor.observe_step(rows, seconds_for_rows(rows))
+    return governor
+
+
+# Step times of int4 SmolLM2 batch-1 on a 2-core Zen 4 EPYC, 1-5 rows.
+ZEN4_STEP_S = [0.0065, 0.008, 0.0096, 0.0112, 0.015]
+
+
+def test_a_sequences_expected_tokens_follow_its_last_passes_run_by_run():
+    governor = Governor(4)
+    fresh = seq_after(governor, [])
+    assert governor.expected_tokens(fresh, 0) == 1 and governor.expected_tokens(fresh, 1) == 1.5  # even odds
+    # A quote taken whole two passes in three: 66% of drafts accepted, and those in runs, so
+    # 4 drafts give 1 + 4 x 2/3 tokens a pass, not the 2.6 of independent 2/3 chances.
+    quoting = seq_after(governor, [(4, 4), (4, 4), (4, 0)] * 6)
+    assert 3.1 < governor.expected_tokens(quoting, 4) < 3.7
+    assert governor.expected_tokens(quoting, 1) < 1.75
+    # Its last passes count most: ten rejections in a row bring it far below even odds.
+    for _ in range(10):
+        governor.observe_pass(quoting, 4, 0)
+    assert governor.expected_tokens(quoting, 1) < 1.3
+
+
+def test_the_governor_speculates_until_it_has_measured_then_proposes_what_pays():
+    seq = seq_after(Governor(4), [(4, 2)])
+    assert Governor(4).width([seq]) == 4  # nothing measured yet: try, and measure
+    # A verifying row costing what a decode does never pays; rows nearly free always do.
+    assert measured(Governor(4), lambda rows: 0.006 * rows).width([seq]) == 0
+    assert measured(Governor(4), lambda rows: 0.006 + 0.0001 * rows).width([seq]) == 4
+    zen4 = measured(Governor(4), lambda rows: ZEN4_STEP_S[rows - 1])
+    # Quoting its context two passes in three: 3 drafts a step (4 cost the fifth row's jump).
+    quoting = seq_after(zen4, [(4, 4), (4, 4), (4, 0)] * 6)
+    rates = [zen4.expected_tokens(quoting, k) / zen4.step_time(1 + k) for k in range(5)]
+    assert zen4.width([quoting]) == 3 == max(range(5), key=rates.__getitem__)
+    # A third of first drafts right (chat): one draft pays a little; a fifth: none does.
+    assert zen4.width([seq_after(zen4, [(4, 0), (4, 0), (4, 1)] * 6)]) == 1
+    assert zen4.width([seq_after(zen4, [(4, 1), (4, 0), (4, 0), (4, 0), (4, 0)] * 4)]) == 0
+    # A row count not measured is interpolated; past the widest measured, its slope goes on.
+    assert zen4.step_time(7) == pytest.approx(0.015 + 2 * 0.0038)
+    half = Governor(4)
+    half.observe_step(1, 0.006), half.observe_step(5, 0.010)
+    assert half.step_time(3) == pytest.approx(0.008)
+
+
+def test_a_sequence_whose_drafts_stopped_paying_is_tried_again_some_steps_on():
+    governor = measured(Governor(4), lambda rows: 0.006 + 0.0015 * (rows - 1))
+    seq = seq_after(governor, [(4, 0)] * 10)
+    widths = [governor.width([seq]) for _ in range(30)]
+    assert widths[0] == 0 and 0 < widths[-1]
+    assert 3 <= widths.index(next(w for w in widths if w))  # the stale counts age toward even odds first
+    # A sequence that may not speculate gets no drafts whatever the estimate.
+    opted_out = tiny_engine().add_request("o", [1, 2], dataclasses.replace(greedy_params(8), speculative=False))
+    assert governor.width([opted_out]) == 0
+
+
+class CostedRunner(ModelRunner):
+    """The real runner, moving the engine's manual clock by what a step of its rows would cost."""
+
+    def __init__(self, clock: ManualClock, cost, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.cost = clock, cost
+
+    def run(self, schedule: SchedulerOutput):
+        self.clock.advance(self.cost(sum(item.num_query_tokens for item in schedule.scheduled)))
+        return super().run(schedule)
+
+
+def costed(cost, **overrides) -> tuple[LLMEngine, ManualClock]:
+    clock = ManualClock()
+    engine = tiny_engine(clock=clock, make_runner=lambda *a, **kw: CostedRunner(clock, cost, *a, **kw), max_num_seqs=1,
+                         **overrides)
+    return engine, clock
+
+
+@pytest.mark.parametrize("row_cost", [0.010, 0.0001], ids=["rows-cost-like-decodes", "rows-nearly-free"])
+def test_adaptive_speculation_is_never_much_slower_than_none_and_as_fast_as_fixed_where_drafts_pay(row_cost):
+    def cost(rows):
+        return 0.010 + row_cost * (rows - 1)
+
+    times, outputs = {}, {}
+    for name, overrides in {"off": {}, "fixed": {"speculative": "ngram", "ngram_min": 1, "speculative_adaptive": False},
+                            "adaptive": {"speculative": "ngram", "ngram_min": 1}}.items():
+        engine, clock = costed(cost, **overrides)
+        outputs[name] = outputs_of(engine)
+        times[name] = clock.now
+    assert outputs["adaptive"] == outputs["fixed"] == outputs["off"]
+    if row_cost == 0.010:  # a pass over 4 drafts costs 4 decodes: fixed speculation loses
+        assert times["fixed"] > 1.2 * times["off"]
+        assert times["adaptive"] < 1.1 * times["off"]
+    else:  # drafts cost next to nothing: whatever is accepted is saved
+        assert times["fixed"] < 0.95 * times["off"]
+        assert times["adaptive"] < 1.02 * times["fixed"]
+    print(f"{row_cost * 1000:g} ms a row: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in times.items()))
 
 
 # -- who speculates, and when ----------------------------------------------------------------

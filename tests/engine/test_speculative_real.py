@@ -35,7 +35,8 @@ def speculating(smollm, quantized):
     draft = quantized("int4")
 
     def make(mode: str, **overrides) -> LLMEngine:
-        config = EngineConfig(dtype="float32", speculative=mode, **overrides)
+        # Every step proposes k: these check what verifying does, not when it pays.
+        config = EngineConfig(dtype="float32", speculative=mode, speculative_adaptive=False, **overrides)
         return LLMEngine(config, LoadedModel(model, tokenizer, draft=draft if mode == "draft" else None))
 
     return make
