@@ -185,9 +185,17 @@ class Holds:
         """Reserve the most the request can use against tokens/min (when `metered`) and the
         monthly budget, then keep the reservation and the slots alive until `release`."""
         admit = quota.admit_tokens if metered else quota.admit_unmetered_tokens
+        reserving = asyncio.ensure_future(admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices,
+                                                        self.api_key, caller=self.caller, what="token admission"))
         try:
-            self.tokens = await admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices, self.api_key,
-                                              caller=self.caller, what="token admission")
+            self.tokens = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            # The client left while the pool's thread reserved: it reserves all the same. Keep what
+            # it took so the generation's settlement gives it back, rather than leave the tenant's
+            # budget held until its TTL and its tokens/min charged for a request that never ran.
+            with contextlib.suppress(Exception):
+                self.tokens = await reserving
+            raise
         except ApiError as error:
             if error.param == "max_tokens":  # name the field the client sent
                 error.param = request.max_tokens_param

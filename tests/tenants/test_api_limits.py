@@ -1,10 +1,13 @@
 """Limits as an API client sees them: status, headers and body of every refusal."""
+import asyncio
 import time
 from datetime import datetime, timezone as dt_timezone
 
 import pytest
 import redis
 
+from inference import gate
+from inference.protocol import GenerationRequest
 from tenants import actions, errors, quota
 
 pytestmark = pytest.mark.django_db
@@ -178,6 +181,34 @@ def test_parallel_generations_cannot_together_overspend_the_monthly_budget(make_
     with pytest.raises(errors.ApiError) as spent:
         quota.admit_tokens(tenant, prompt_tokens=1, max_tokens=1)
     assert (spent.value.status, spent.value.code) == (429, "insufficient_quota")
+
+
+def test_a_client_gone_while_its_tokens_are_reserved_leaves_a_reservation_its_settlement_finds(
+        make_tier, make_tenant, redis, settings):
+    """Cancelled (its client disconnected) while the admission pool's thread reserved its tokens,
+    a request must still hold what the thread took, for its settlement to give back: else the
+    tenant's budget stayed held until the hold's TTL and its tokens/min charged for nothing."""
+    settings.LIMITS_REDIS_TIMEOUT_S = 5  # the paused call waits for Redis instead of deciding alone
+    tenant, _ = make_tenant("acme", make_tier(monthly_token_budget=200, tokens_per_minute=100_000))
+    holds = gate.Holds("gen-gone", tenant)
+    request = GenerationRequest(kind="chat", model=None, messages=({"role": "user", "content": "Hi"},), max_tokens=200)
+
+    async def client_gone() -> None:
+        redis.client_pause(600)  # the reservation's script waits in its thread meanwhile
+        reserving = asyncio.create_task(holds.reserve_tokens(request, 20, 200, 1, metered=True))
+        await asyncio.sleep(0.2)
+        reserving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reserving
+
+    asyncio.run(client_gone())
+    assert holds.tokens is not None, "the reservation the thread made was lost with the request"
+    with pytest.raises(errors.ApiError) as held:  # it holds the whole budget until settled
+        quota.admit_tokens(tenant, prompt_tokens=20, max_tokens=200)
+    assert held.value.code == "budget_reserved"
+    quota.settle(tenant, holds.tokens, used=0)
+    quota.settle(tenant, quota.admit_tokens(tenant, prompt_tokens=20, max_tokens=200), used=0)
+    assert quota.monthly_tokens_used(tenant) == 0
 
 
 def test_a_reservation_whose_holder_died_lapses_and_gives_the_budget_back(make_tier, make_tenant, settings):
