@@ -196,16 +196,31 @@ def _stop_queued(batch_id: str, reason: str, now: datetime) -> None:
 
 
 def request_counts(batch: Batch) -> dict[str, int]:
-    counts = dict(batch.items.values_list("state").annotate(n=Count("id")))
-    return {"total": sum(counts.values()), "completed": counts.get(State.SUCCEEDED, 0),
-            "failed": counts.get(State.FAILED, 0)}
+    return _counts(dict(batch.items.values_list("state").annotate(n=Count("id"))))
+
+
+def _counts(by_state: dict[str, int]) -> dict[str, int]:
+    return {"total": sum(by_state.values()), "completed": by_state.get(State.SUCCEEDED, 0),
+            "failed": by_state.get(State.FAILED, 0)}
+
+
+def batch_objects(batches: list[Batch]) -> list[dict]:
+    """batch_object of each, with every batch's request counts in one query and their usage in
+    another: a page of 100 batches took 200 queries one batch at a time."""
+    ids = [batch.id for batch in batches]
+    by_batch: dict[str, dict[str, int]] = {batch_id: {} for batch_id in ids}
+    for batch_id, state, n in (BatchItem.objects.filter(batch_id__in=ids).values_list("batch_id", "state")
+                               .annotate(n=Count("id")).order_by()):
+        by_batch[batch_id][state] = n
+    usage = usage_of(ids)
+    return [batch_object(batch, _counts(by_batch[batch.id]), usage[batch.id]) for batch in batches]
 
 
 def _ts(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
 
 
-def batch_object(batch: Batch, counts: dict[str, int] | None = None) -> dict:
+def batch_object(batch: Batch, counts: dict[str, int] | None = None, usage: dict | None = None) -> dict:
     return {
         "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": batch.errors,
         "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": batch.status,
@@ -217,7 +232,7 @@ def batch_object(batch: Batch, counts: dict[str, int] | None = None) -> dict:
         "cancelled_at": _ts(batch.cancelled_at),
         "request_counts": counts if counts is not None else request_counts(batch),
         "metadata": batch.metadata, "model": batch.model or None,
-        "usage": batch_usage(batch),
+        "usage": usage if usage is not None else batch_usage(batch),
     }
 
 

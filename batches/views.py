@@ -60,7 +60,8 @@ def _limit(request: Request) -> int:
 
 
 def _page(queryset, request: Request, make: Any) -> dict:
-    """OpenAI's cursor pagination: newest first, `after` the last id of the previous page."""
+    """OpenAI's cursor pagination: newest first, `after` the last id of the previous page.
+    `make` turns the page's rows into their objects, all at once."""
     limit = _limit(request)
     after = request.query_params.get("after")
     if after:
@@ -70,7 +71,7 @@ def _page(queryset, request: Request, make: Any) -> dict:
         queryset = queryset.filter(created_at__lte=anchor["created_at"]).exclude(
             created_at=anchor["created_at"], pk__gte=after)
     rows = list(queryset.order_by("-created_at", "-pk")[: limit + 1])
-    data = [make(row) for row in rows[:limit]]
+    data = make(rows[:limit])
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
@@ -146,7 +147,7 @@ class FileList(TenantAPIView):
         files = File.objects.filter(tenant=request.user).defer("content")
         if request.query_params.get("purpose"):
             files = files.filter(purpose=request.query_params["purpose"])
-        return Response(_page(files, request, actions.file_object))
+        return Response(_page(files, request, lambda rows: [actions.file_object(f) for f in rows]))
 
 
 _uploading: Counter = Counter()  # tenant id -> uploads being checked in this process
@@ -290,7 +291,7 @@ class BatchList(TenantAPIView):
     @extend_schema(operation_id="listBatches", tags=["batches"], parameters=PAGE_PARAMS,
                    responses={200: _list_schema("BatchList", "Batch", BATCH_FIELDS)})
     def get(self, request: Request) -> Response:
-        return Response(_page(Batch.objects.filter(tenant=request.user), request, actions.batch_object))
+        return Response(_page(Batch.objects.filter(tenant=request.user), request, actions.batch_objects))
 
 
 files = _posts_off_the_shared_thread(FileList)
