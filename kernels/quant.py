@@ -25,8 +25,9 @@ that stays in cache and runs the rows of x against it in bf16 (at par with oneDN
 at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a row
 whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
 linear_amx's bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model, where the
-vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `KERNEL_ROWS`: quantized x and
-integer dots run one row 3x faster, and a verifying pass of speculative decoding must compute
+vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.int4` rows
+(INT4_LINEAR_ROWS, raised by the engine to a verifying pass's 1 + k rows): quantized x and
+integer dots run one row 2.5x faster, and a verifying pass of speculative decoding must compute
 a row as a one-row decode does.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), rows past
 `KERNEL_ROWS` take `quant_gemm_f32`: 64 weight rows at a time dequantized into a buffer that
@@ -60,6 +61,19 @@ SCALE_DTYPES = {8: torch.float32, 4: torch.float16}
 # Rows up to which the compiled kernel takes a CPU linear layer; above it, the dequantized
 # weights and oneDNN (bench/quant_linear.py measures the crossing).
 KERNEL_ROWS = 32
+# int4 where quant_gemm runs (AVX512-BF16, bf16 x): quant_linear up to this many rows, quant_gemm
+# past it. SmolLM2's 30 layers on a 2-core AVX512-BF16 EPYC, quant_linear's time over
+# quant_gemm's: 0.40x at 1 row, 0.86x at 5, 1.18x at 9, 1.57x at 17, 1.91x at 32 (at 32, a
+# prompt's prefill took twice the time it needed).
+INT4_LINEAR_ROWS = 8
+
+
+@dataclass
+class QuantRows:
+    """Row counts a model's quantized layers switch kernels at, one object shared by them all,
+    so the engine can set them for the model it was handed (`LlamaModel.verify_rows`)."""
+
+    int4: int = INT4_LINEAR_ROWS
 
 
 @dataclass(frozen=True)
@@ -246,8 +260,10 @@ def quant_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
 class QuantLinear:
     """y = x @ W.T + b over quantized weights; holds only the quantized form."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, use_triton: bool = True):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, use_triton: bool = True,
+                 rows: QuantRows | None = None):
         self.qw = qw
+        self.rows = rows or QuantRows()
         self.bias = bias
         self.out_features, self.in_features = qw.out_features, qw.in_features
         self.module = cpu_ext.load() if qw.qweight.device.type == "cpu" else None
@@ -260,7 +276,7 @@ class QuantLinear:
         if self.triton:
             return quant_linear_triton(x, self.qw, self.bias)
         rows = x.numel() // self.in_features
-        if self.gemm and x.dtype == torch.bfloat16 and (self.qw.bits == 8 or rows > KERNEL_ROWS):
+        if self.gemm and x.dtype == torch.bfloat16 and (self.qw.bits == 8 or rows > self.rows.int4):
             return self.module.quant_gemm(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
         if self.module is not None and rows <= KERNEL_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)

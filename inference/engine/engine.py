@@ -117,6 +117,7 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
+        model.verify_rows(1 + config.num_speculative_tokens if config.speculative != "off" else 1)
         draft = _draft_model(config, loaded)
         # A draft model keeps its own keys and values in the same blocks: a block costs both.
         block_bytes = config.block_size * sum(m.config.kv_bytes_per_token(m.dtype) for m in (model, draft) if m is not None)

@@ -6,6 +6,7 @@ documentation (pydoc_data.topics: objects, naming, exceptions; PSF licence).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,10 +17,13 @@ import torch.nn.functional as F
 from inference.engine.api import SamplingParams
 from inference.engine.config import ConfigError, EngineConfig
 from inference.engine.engine import LLMEngine, LoadedModel
+from inference.engine.models.llama import LlamaModel, random_tensors
 from kernels import cpu_ext, quant
+from tests.engine.tiny import TINY
 from tests.engine.conftest import CHAT_PROMPTS
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+TINY_QUANT = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, num_heads=4, head_dim=16)  # widths of 32s
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0)
 
 
@@ -91,25 +95,38 @@ def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
             assert torch.equal(part, whole[start:start + size]), (size, start)
 
 
-def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled):
-    """int8: quant_gemm at every row count; int4: its integer kernel up to KERNEL_ROWS rows,
-    quant_gemm above. Where bf16 is not native, the kernel and oneDNN over the dequantized copy."""
+@pytest.mark.parametrize("verify_rows", [1, 17])
+def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_rows):
+    """int8: quant_gemm at every row count; int4: its integer kernel up to INT4_LINEAR_ROWS rows,
+    or a verifying pass's rows when more (each then gets the bits a one-row decode does),
+    quant_gemm above. Where bf16 is not native, the kernel up to KERNEL_ROWS and oneDNN over the
+    dequantized copy above."""
     g = torch.Generator().manual_seed(6)
     w = torch.randn(64, 96, generator=g) * 0.05
+    int4_rows = max(quant.INT4_LINEAR_ROWS, verify_rows)
     for bits in (8, 4):
-        layer = quant.QuantLinear(quant.quantize(w, bits))
+        layer = quant.QuantLinear(quant.quantize(w, bits), rows=quant.QuantRows(int4_rows))
         qw = layer.qw
-        for rows in (1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1):
+        for rows in sorted({1, int4_rows, int4_rows + 1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1}):
             x = torch.randn(rows, 96, generator=g).bfloat16()
             gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits)
             if not compiled.quant_gemm_available():
                 want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits) if rows <= quant.KERNEL_ROWS \
                     else F.linear(x, quant.dequantize(qw, torch.bfloat16))
-            elif bits == 8 or rows > quant.KERNEL_ROWS:
+            elif bits == 8 or rows > int4_rows:
                 want = gemm
             else:
                 want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits)
             assert torch.equal(layer(x), want), (bits, rows)
+
+
+def test_an_engine_speculating_k_tokens_keeps_int4_verifying_passes_on_the_decode_kernel():
+    model = LlamaModel(TINY_QUANT, random_tensors(TINY_QUANT, 0, std=0.5), torch.bfloat16, torch.device("cpu"),
+                       quantization="int4")
+    LLMEngine(EngineConfig(num_blocks=16, block_size=4), LoadedModel(model))
+    assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS
+    LLMEngine(EngineConfig(num_blocks=16, block_size=4, speculative="ngram", num_speculative_tokens=12), LoadedModel(model))
+    assert model.quant_rows.int4 == 13 and model.lm_head.rows is model.quant_rows
 
 
 @pytest.mark.parametrize("bits", [8, 4])

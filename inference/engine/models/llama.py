@@ -198,11 +198,13 @@ class LlamaModel(torch.nn.Module):
             return t.to(device=device, dtype=dtype).contiguous()
 
         self.ops = kernels.ops_for(device, dtype, kernels_choice)
+        self.quant_rows = quant.QuantRows()
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, **options) -> Linear | QuantLinear:
             if bits is None:
                 return Linear(weight, bias, kernels_choice=kernels_choice, **options)
-            return QuantLinear(quant.quantize(weight, bits), bias, use_triton=kernels_choice != "reference")
+            return QuantLinear(quant.quantize(weight, bits), bias, use_triton=kernels_choice != "reference",
+                               rows=self.quant_rows)
 
         def gate_up(weight: torch.Tensor) -> GateUp | QuantGateUp:
             if bits is None:
@@ -254,6 +256,11 @@ class LlamaModel(torch.nn.Module):
                 else:
                     tensors.append(part)
         return count + sum(t.numel() for t in tensors)
+
+    def verify_rows(self, rows: int) -> None:
+        """A speculative verifying pass of this many rows (1 + k; 1 without speculation) must
+        take the kernel a one-row decode does, so each of its rows gets the decode's bits."""
+        self.quant_rows.int4 = max(quant.INT4_LINEAR_ROWS, rows)
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold (quantized ones as stored, scales included)."""
