@@ -238,11 +238,7 @@ def batch_object(batch: Batch, counts: dict[str, int] | None = None, usage: dict
 
 def batch_usage(batch: Batch) -> dict:
     """The tokens its items used so far, from their usage rows (one per item, whatever its attempts)."""
-    total = UsageRecord.objects.filter(batch=batch.id).aggregate(
-        given=Sum("prompt_tokens"), cached=Sum("cached_tokens"), made=Sum("completion_tokens"))
-    given, cached, made = total["given"] or 0, total["cached"] or 0, total["made"] or 0
-    return {"input_tokens": given, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": made, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": given + made}
+    return usage_of([batch.id])[batch.id]
 
 
 def usage_of(batch_ids: list[str]) -> dict[str, dict]:

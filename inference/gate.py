@@ -17,7 +17,9 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from django.conf import settings
 
@@ -27,6 +29,8 @@ from tenants import admission, errors, quota
 from tenants.errors import ApiError
 from tenants.limits import Decision, Lease
 from tenants.models import ApiKey, QuotaTier, Tenant
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,19 @@ class _SlotWaiters:
 _slot_waiters = _SlotWaiters()
 
 
+async def _despite_leaving(call: Awaitable[T], keep: Callable[[T], None]) -> T:
+    """`call`'s result. The admission pool's thread runs it to the end whether or not we wait: if
+    this task is cancelled meanwhile (the client left), wait for it anyway and `keep` what it
+    took, so the request's cleanup gives it back, then let the cancellation through."""
+    running = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            keep(await running)
+        raise
+
+
 @dataclass
 class Holds:
     """One generation's slots and token reservation: taken at admission, renewed while it runs.
@@ -169,33 +186,24 @@ class Holds:
         return errors.slot_queue_full(self.tenant.tier.concurrent_streams, settings.SLOT_WAITERS_PER_TENANT)
 
     async def _take(self, choices: int, param: str) -> Lease:
-        taking = asyncio.ensure_future(admission.run(quota.open_stream, self.tenant, None, choices, param,
-                                                     caller=self.caller, what="generation slots"))
-        try:
-            return await asyncio.shield(taking)
-        except asyncio.CancelledError:
-            # The client left while its slots were being taken: the thread takes them all the same.
-            # Wait for it so that release() gives them back, rather than leave them held for their TTL.
-            with contextlib.suppress(Exception):
-                self.lease = await taking
-            raise
+        # Left while its slots were being taken, the request keeps them so that release() gives
+        # them back, rather than leave them held for their TTL.
+        return await _despite_leaving(admission.run(quota.open_stream, self.tenant, None, choices, param,
+                                                    caller=self.caller, what="generation slots"),
+                                      lambda lease: setattr(self, "lease", lease))
 
     async def reserve_tokens(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int, choices: int,
                              metered: bool) -> None:
         """Reserve the most the request can use against tokens/min (when `metered`) and the
         monthly budget, then keep the reservation and the slots alive until `release`."""
         admit = quota.admit_tokens if metered else quota.admit_unmetered_tokens
-        reserving = asyncio.ensure_future(admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices,
-                                                        self.api_key, caller=self.caller, what="token admission"))
         try:
-            self.tokens = await asyncio.shield(reserving)
-        except asyncio.CancelledError:
-            # The client left while the pool's thread reserved: it reserves all the same. Keep what
-            # it took so the generation's settlement gives it back, rather than leave the tenant's
-            # budget held until its TTL and its tokens/min charged for a request that never ran.
-            with contextlib.suppress(Exception):
-                self.tokens = await reserving
-            raise
+            # Left meanwhile, it keeps the reservation so that its settlement gives it back, rather
+            # than leave the budget held until its TTL and tokens/min charged for nothing.
+            self.tokens = await _despite_leaving(
+                admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices, self.api_key,
+                              caller=self.caller, what="token admission"),
+                lambda tokens: setattr(self, "tokens", tokens))
         except ApiError as error:
             if error.param == "max_tokens":  # name the field the client sent
                 error.param = request.max_tokens_param

@@ -154,8 +154,12 @@ class Governor:
     def expected_tokens(self, seq: Sequence, k: int) -> float:
         """Tokens a pass over k drafts of `seq` is expected to emit: the target's own one, and
         each draft while every one before it is accepted."""
-        total, reach = 1.0, 1.0
-        for i in range(k):
+        return self._expected(seq)[k]
+
+    def _expected(self, seq: Sequence) -> list[float]:
+        """expected_tokens of `seq` for every k from 0 to max_width, in one pass."""
+        totals, reach = [1.0], 1.0
+        for i in range(self.max_width):
             reached = seq.spec_reached[i] if i < len(seq.spec_reached) else 0.0
             accepted = seq.spec_accepted[i] if i < len(seq.spec_accepted) else 0.0
             # Past the first, a position seldom reached is taken to be accepted whenever the one
@@ -163,8 +167,8 @@ class Governor:
             # widen again, its second position never tried (prompt lookup's summary sat at 1
             # draft, 1.9 tokens a pass, where 4 drafts gave 3.5).
             reach *= (accepted + (0.5 if i == 0 else 1.0)) / (reached + 1)
-            total += reach
-        return total
+            totals.append(totals[-1] + reach)
+        return totals
 
     def step_time(self, rows: int) -> float:
         """The measured time of a decode-only step of `rows` rows, or an interpolation."""
@@ -191,8 +195,8 @@ class Governor:
         if not self.step_s:
             return self.max_width  # nothing measured yet: speculate, and measure it
         plain = len(decoding) - len(drafting)
-        rates = [(plain + sum(self.expected_tokens(s, k) for s in drafting))
-                 / self.step_time(len(decoding) + k * len(drafting)) for k in range(self.max_width + 1)]
+        tokens = [plain + sum(by_width) for by_width in zip(*(self._expected(s) for s in drafting))]
+        rates = [tokens[k] / self.step_time(len(decoding) + k * len(drafting)) for k in range(self.max_width + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best == 0:
             for s in drafting:
