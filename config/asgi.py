@@ -32,7 +32,7 @@ daphne_hooks.name_status_codes()
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).
 daphne_hooks.install_stream_backpressure(settings.STREAM_MAX_BUFFERED_BYTES, settings.STREAM_STALL_S)
 upload_gate.install()  # POST /v1/files: the key is checked before the body is read
-flood_gate.install()  # a tenant's generation requests past its in-flight bound: 429 before the application
+flood_gate.install()  # past a tenant's in-flight bound (429) or with an unusable key (401): before the application
 # The engine loads, the replica reports to the fleet and SIGTERM drains from the moment daphne
 # serves, not from its first connection (EngineLifespan does the same for servers with lifespan).
 daphne_hooks.call_when_serving(host.start, fleet.join, drain.install)

@@ -1,5 +1,6 @@
-"""A tenant's generation requests past its in-flight bound, refused before daphne builds them an
-application.
+"""A tenant's generation requests past its in-flight bound, and requests whose key cannot
+authenticate (none, malformed, a wrong secret for a known prefix), refused before daphne builds
+them an application.
 
 `tenants.middleware` refuses a request of a tenant that already has as many generation requests
 in flight in this process as could run or wait for a slot (its tier's concurrent generations
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from http import HTTPStatus
 
 from config.request_ids import _SANE
 from inference import http_metrics, refusals
@@ -32,11 +34,11 @@ def _response(error, request_id: str) -> bytes:
     body = json.dumps(error.body()).encode()
     headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **error.headers,
                "X-Request-Id": request_id, "openai-processing-ms": "0", "Connection": "close"}
-    head = f"HTTP/1.1 {error.status} Too Many Requests\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    head = f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     return (head + "\r\n").encode("latin-1") + body
 
 
-def _refuse(request, path: str, error, tenant_id: str) -> None:
+def _refuse(request, path: str, error, tenant_id: str | None) -> None:
     header = request.getHeader(b"authorization")
     given = request.getHeader(b"x-request-id")
     request_id = given.decode("ascii") if given and _SANE.fullmatch(given) else f"req_{uuid.uuid4().hex}"

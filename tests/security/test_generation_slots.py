@@ -276,3 +276,48 @@ def test_a_burst_read_in_one_pass_is_counted_at_the_gate_and_refused_there(hosti
     with ThreadPoolExecutor(4 + WAITERS) as pool:
         statuses = list(pool.map(lambda _: live.post_json(OPENAI_CHAT, chat_body(1), key)[0], range(4 + WAITERS)))
     assert statuses == [200] * (4 + WAITERS), statuses
+
+
+def _answer(sock: socket.socket) -> tuple[bytes, dict]:
+    """A response's status line and headers (lowercased) and its JSON body."""
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := sock.recv(4096)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    head = head.lower()
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.startswith(b"content-length:")))
+    while len(body) < length and (chunk := sock.recv(4096)):
+        body += chunk
+    return head, json.loads(body)
+
+
+def test_a_burst_without_a_usable_key_is_refused_at_the_gate(hostile_live: LiveServer):
+    """No key, a token without a key's shape, and a wrong secret for a prefix the process has
+    seen authenticate cannot be admitted whatever the database holds: the gate answers them
+    from the headers with the API's 401 (its answer closes the connection), where each went
+    through an application and the middleware's thread pool (400 of them took 0.30 s of the
+    server, 0.13 s now)."""
+    live, tenant = hostile_live, "inflight"
+    key = live.keys[tenant]
+    assert live.post_json(OPENAI_CHAT, chat_body(1), key)[0] == 200  # the process knows the key now
+    host, port = live.url.removeprefix("http://").split(":")
+    payload = json.dumps(chat_body(4)).encode()
+    wrong = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    kinds = {"missing_api_key": "", "invalid_api_key": "Authorization: Bearer not-a-key\r\n",
+             "wrong secret": f"Authorization: Bearer {wrong}\r\n"}
+    sent = [kind for kind in kinds for _ in range(10)]
+    sockets = [socket.create_connection((host, int(port)), timeout=60) for _ in sent]
+    try:
+        for kind, sock in zip(sent, sockets):
+            sock.sendall((f"POST {OPENAI_CHAT} HTTP/1.1\r\nHost: {host}:{port}\r\n{kinds[kind]}"
+                          f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload)
+        with ThreadPoolExecutor(len(sockets)) as pool:
+            answers = list(pool.map(_answer, sockets))
+    finally:
+        for sock in sockets:
+            sock.close()
+    for kind, (head, body) in zip(sent, answers):
+        assert head.startswith(b"http/1.1 401 unauthorized\r\n"), (kind, head)
+        assert b"\r\nconnection: close" in head and b"\r\nwww-authenticate: bearer" in head, (kind, head)
+        assert body["error"]["code"] == ("invalid_api_key" if kind == "wrong secret" else kind), (kind, body)
+        assert body["error"]["type"] == "invalid_request_error", body
