@@ -1,4 +1,4 @@
-"""Prometheus metrics of the web process: responses, refusals, batch items, Celery queues.
+"""Prometheus metrics of the web process: responses, refusals, batch items, Celery queues, the usage outbox.
 
 | name | type | labels | meaning |
 |---|---|---|---|
@@ -6,6 +6,8 @@
 | `llm_rate_limited_total` | counter | kind | 429s, HTTP and WebSocket, by the limit that refused |
 | `llm_batch_items` | gauge | state | batch items in the database by state (every replica reports the same) |
 | `llm_celery_queue_length` | gauge | queue | messages waiting in the broker's list of each Celery queue (the same) |
+| `llm_usage_outbox_pending` | gauge | | usage entries this process journaled that the database has not taken yet |
+| `llm_usage_dead_letters` | gauge | | usage entries in the outbox folder's dead-letter file: refused for a day, unbilled until `manage.py replay_usage_dead_letters` |
 
 `endpoint` is the route pattern that served the request (`v1/batches/<str:batch_id>`), or
 `unmatched`: never the raw path, whose ids would make a series per request. `tenant` is the
@@ -29,8 +31,10 @@ import logging
 import threading
 import time
 from inspect import iscoroutinefunction
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count
 from django.urls import URLPattern
 from django.utils.decorators import sync_and_async_middleware
@@ -41,6 +45,7 @@ from batches.models import BatchItem
 from config import redis as shared_redis
 from config.celery import app as celery_app
 from inference import refusals
+from tenants import ledger
 from tenants.errors import ApiError
 from tenants.models import ApiKey
 
@@ -280,6 +285,24 @@ class _Backlog:
 
 
 REGISTRY.register(_Backlog())
+
+
+class _UsageOutbox:
+    """The usage ledger's backlog (tenants.ledger), read at every scrape: an alert on dead
+    letters is an alert on tokens served and not billed."""
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        pending = GaugeMetricFamily("llm_usage_outbox_pending", "Usage entries journaled here and not yet in the database")
+        pending.add_metric([], ledger.pending())
+        dead = GaugeMetricFamily("llm_usage_dead_letters", "Usage entries refused for a day, waiting in the dead-letter file")
+        dead.add_metric([], ledger.dead_letters(Path(settings.USAGE_OUTBOX_DIR)))
+        return [pending, dead]
+
+
+REGISTRY.register(_UsageOutbox())
 
 
 def render() -> bytes:

@@ -13,7 +13,9 @@ dies leaves its journal behind for the next process on the same database to repl
 Writes are idempotent (`UsageRecord.key`), so a replayed or retried entry lands once.
 Entries of one key are applied in order; a key whose write keeps failing holds back only
 its own later entries, never other tenants'. An entry refused for a whole day (its tenant
-deleted, say) moves to `dead-letter.jsonl` in the outbox folder, logged as an error.
+deleted, say) moves to `dead-letter.jsonl` in the outbox folder, logged as an error and
+counted in /metrics (`llm_usage_dead_letters`), until `manage.py replay_usage_dead_letters`
+writes it once the cause is fixed.
 
 The journal is emptied whenever every entry in it has been applied, so it holds only what
 the database has not taken yet. It is fsync'ed before entries are applied: a power cut
@@ -266,6 +268,7 @@ class Ledger:
                   pending.entry.op, pending.tries, time.monotonic() - pending.first_failure,
                   self.directory / DEAD_LETTER, type(exc).__name__, exc)
         with (self.directory / DEAD_LETTER).open("a", encoding="utf-8") as dead:
+            fcntl.flock(dead, fcntl.LOCK_EX)  # not while replay_dead_letters rewrites it
             dead.write(pending.entry.to_json() + "\n")
             dead.flush()
             os.fsync(dead.fileno())
@@ -307,8 +310,62 @@ class Ledger:
             connection.close()
 
 
+def dead_letters(directory: Path) -> int:
+    """Entries waiting in the outbox folder's dead-letter file."""
+    try:
+        with (directory / DEAD_LETTER).open("rb") as dead:
+            return sum(1 for _ in dead)
+    except FileNotFoundError:
+        return 0
+
+
+def replay_dead_letters(directory: Path) -> tuple[int, int]:
+    """Apply the dead-letter file's entries in order, keeping those the database still refuses,
+    the later entries of their keys (a key's entries apply in order) and unreadable lines:
+    (applied, left). Writes are idempotent, so an entry that had landed after all changes nothing."""
+    from tenants import actions
+
+    try:
+        handle = (directory / DEAD_LETTER).open("r+", encoding="utf-8")
+    except FileNotFoundError:
+        return 0, 0
+    with handle:
+        # Held to the end: a writer dead-lettering meanwhile appends after the rewrite. The file
+        # is emptied, never removed, so no writer waits on a lock of a file that is gone.
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        applied, left, held = 0, [], set()
+        for line in handle.read().splitlines():
+            try:
+                entry = UsageEntry.from_json(line)
+            except (ValueError, TypeError):
+                left.append(line)
+                continue
+            if entry.key not in held:
+                try:
+                    actions.apply_usage(entry)
+                except Exception as exc:
+                    connection.close()
+                    log.warning("usage %s (%s): still refused: %s: %s", entry.key, entry.op, type(exc).__name__, exc)
+                    held.add(entry.key)
+                else:
+                    applied += 1
+                    continue
+            left.append(line)
+        handle.seek(0)
+        handle.truncate()
+        handle.write("".join(f"{line}\n" for line in left))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return applied, len(left)
+
+
 _ledger: Ledger | None = None
 _ledger_lock = threading.Lock()
+
+
+def pending() -> int:
+    """Entries this process journaled that the database has not taken yet (0 before its first)."""
+    return _ledger.unapplied() if _ledger is not None else 0
 
 
 def ledger() -> Ledger:

@@ -135,18 +135,24 @@ def _django(code: str, env: dict) -> object:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_journal_left_by_a_killed_process_is_written_by_the_next_one(tmp_path: Path):
+def _blocked_database(tmp_path: Path, tenant: str) -> tuple[dict, Path, int]:
+    """A fresh SQLite database with a tenant, refusing usage writes: (environment, outbox, tenant id)."""
     outbox = tmp_path / "outbox"
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_ENV"}
     env.update(DJANGO_SETTINGS_MODULE="config.settings", DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
                USAGE_OUTBOX_DIR=str(outbox), REDIS_URL="redis://127.0.0.1:1/0")
     subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=300)
-    tenant_id = _django("""
+    tenant_id = _django(f"""
         from tenants import actions
         from tenants.models import QuotaTier
-        result = actions.create_tenant("journal", QuotaTier.objects.get(name="standard")).pk
+        result = actions.create_tenant({tenant!r}, QuotaTier.objects.get(name="standard")).pk
     """, env)
     block_usage_writes(lambda code: _django(code, env))
+    return env, outbox, tenant_id
+
+
+def test_a_journal_left_by_a_killed_process_is_written_by_the_next_one(tmp_path: Path):
+    env, outbox, tenant_id = _blocked_database(tmp_path, "journal")
 
     writer = _python(_JOURNAL, env, str(tenant_id))
     try:
@@ -165,3 +171,54 @@ def test_a_journal_left_by_a_killed_process_is_written_by_the_next_one(tmp_path:
     assert json.loads(out.strip().splitlines()[-1]) == [
         {"key": "gen-1", "prompt_tokens": 11, "completion_tokens": 29, "closed": True}]
     assert not journal.exists(), "a replayed journal is removed"
+
+
+_DEAD_LETTERING = """
+import django, json, sys, time
+django.setup()
+from tenants import ledger as module
+from tenants.ledger import UsageEntry, ledger
+module.DEAD_LETTER_AFTER_S = 0  # the first refusal: as if the database had refused it for a day
+tenant_id = int(sys.argv[1])
+common = dict(key="gen-dead", tenant_id=tenant_id, lane=1, created="2030-01-15T10:00:00+00:00", request_id="gen-dead")
+ledger().submit(UsageEntry(op="open", prompt_tokens=7, **common))
+ledger().submit(UsageEntry(op="close", prompt_tokens=7, completion_tokens=13, finish_reason="length", **common))
+deadline = time.monotonic() + 60
+while ledger().unapplied() and time.monotonic() < deadline:
+    time.sleep(0.05)
+from inference import http_metrics
+print(json.dumps([line for line in http_metrics.render().decode().splitlines() if line.startswith("llm_usage_")]))
+"""
+
+
+def test_usage_refused_for_a_day_is_counted_for_the_operator_and_written_by_the_replay_command(tmp_path: Path):
+    """An entry the database refuses for DEAD_LETTER_AFTER_S moves to the dead-letter file, where
+    it was billed by no one and seen only in a log line: /metrics counts it, and
+    `manage.py replay_usage_dead_letters` writes it once the database takes it (while it still
+    refuses, the command fails and keeps every entry)."""
+    env, outbox, tenant_id = _blocked_database(tmp_path, "dead")
+    writer = _python(_DEAD_LETTERING, env, str(tenant_id))
+    out, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == ["llm_usage_outbox_pending 0.0", "llm_usage_dead_letters 2.0"]
+
+    def replay() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "manage.py", "replay_usage_dead_letters"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    refused = replay()
+    assert refused.returncode != 0 and "0 usage entries written, 2 left" in refused.stdout, (refused.stdout, refused.stderr)
+    assert len((outbox / "dead-letter.jsonl").read_text().splitlines()) == 2
+
+    unblock_usage_writes(lambda code: _django(code, env))
+    done = replay()
+    assert done.returncode == 0 and "2 usage entries written, 0 left" in done.stdout, (done.stdout, done.stderr)
+    assert (outbox / "dead-letter.jsonl").read_text() == ""
+    assert _django("""
+        from tenants.models import UsageRecord
+        result = list(UsageRecord.objects.values("key", "prompt_tokens", "completion_tokens", "finish_reason", "closed"))
+    """, env) == [{"key": "gen-dead", "prompt_tokens": 7, "completion_tokens": 13, "finish_reason": "length", "closed": True}]
+    assert "llm_usage_dead_letters 0.0" in _django("""
+        from inference import http_metrics
+        result = http_metrics.render().decode()
+    """, env)
