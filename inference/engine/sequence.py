@@ -47,6 +47,7 @@ class Sequence:
     # sequence's drafts are right.
     spec_reached: list[float] = field(default_factory=list)
     spec_accepted: list[float] = field(default_factory=list)
+    spec_idle: int = 0  # steps the Governor gave it no drafts since its last verifying pass
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission that its tenant had before
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this sequence's full, computed blocks

@@ -108,6 +108,12 @@ def verify_greedy(argmax: list[int], draft: list[int]) -> list[int]:
 # dominate, so a sequence that starts or stops quoting its context is followed within a few steps.
 ACCEPTANCE_DECAY = 0.9
 STEP_TIME_WEIGHT = 0.2  # of a new step's duration in the running estimate for its row count
+# Steps without drafts after which a sequence is given a full-width pass whatever its estimate:
+# where a pass costs several steps (a draft model: 4 drafts and their verifying pass took 3.7x a
+# step of the bf16 target on a 2-core AMX Xeon), even odds never pay, and a summary whose first
+# two passes missed (1 of 8 drafts) decoded its other 126 tokens unspeculated, where runs that
+# began well accepted 80%. At most one wasted pass in this many steps: ~8% there.
+RETRY_AFTER_STEPS = 32
 
 
 class Governor:
@@ -124,7 +130,8 @@ class Governor:
     quoting summary 66% of prompt lookup's drafts were accepted, yet 3.5 tokens a pass came of 4
     drafts, where independent 66% chances give 2.6), which one rate per sequence would miss.
     While a sequence does not speculate its counts age toward even odds, so one whose drafts
-    stopped paying is tried again some steps on."""
+    stopped paying is tried again some steps on, and after RETRY_AFTER_STEPS it is tried at
+    full width whatever the estimate says."""
 
     def __init__(self, max_width: int):
         self.max_width = max_width
@@ -139,6 +146,7 @@ class Governor:
     def observe_pass(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Position i (from 0) of the draft was reached if the ones before it were accepted."""
         self._age(seq)
+        seq.spec_idle = 0
         for i in range(min(accepted + 1, proposed)):
             seq.spec_reached[i] += 1
             seq.spec_accepted[i] += i < accepted
@@ -201,4 +209,7 @@ class Governor:
         if best == 0:
             for s in drafting:
                 self._age(s)
+                s.spec_idle += 1
+            if min(s.spec_idle for s in drafting) >= RETRY_AFTER_STEPS:
+                return self.max_width
         return best

@@ -14,7 +14,7 @@ from inference.engine.config import EngineConfig
 from inference.engine.model_runner import ModelRunner
 from inference.engine.sampler import draw, filter_probs
 from inference.engine.scheduler import ScheduledSeq, SchedulerOutput
-from inference.engine.speculative import Governor, propose_ngram, verify
+from inference.engine.speculative import RETRY_AFTER_STEPS, Governor, propose_ngram, verify
 from tests.engine.tiny import (TINY, ManualClock, greedy_params, live_seqs, one_thread, run_to_completion,  # noqa: F401
                                smol_tokenizer, tiny_engine, tiny_model, tokens_of)
 
@@ -316,6 +316,18 @@ def test_a_sequence_whose_drafts_stopped_paying_is_tried_again_some_steps_on():
     # A sequence that may not speculate gets no drafts whatever the estimate.
     opted_out = tiny_engine().add_request("o", [1, 2], dataclasses.replace(greedy_params(8), speculative=False))
     assert governor.width([opted_out]) == 0
+
+
+def test_where_a_pass_costs_several_steps_a_sequence_that_missed_is_tried_again_at_full_width():
+    """A draft model's 4 proposals and their verifying pass took 3.7x a decode step: even odds
+    never pay there, and a summary whose first two passes missed (1 of 8 drafts) decoded the
+    rest of its 128 tokens unspeculated where runs that began well accepted 80%."""
+    governor = measured(Governor(4), lambda rows: 0.013 + 0.00875 * (rows - 1))
+    seq = seq_after(governor, [(4, 1), (4, 0)])
+    widths = [governor.width([seq]) for _ in range(RETRY_AFTER_STEPS)]
+    assert widths == [0] * (RETRY_AFTER_STEPS - 1) + [4]
+    governor.observe_pass(seq, 4, 3)  # the retry's drafts pay: the estimate follows from here
+    assert governor.width([seq]) > 0
 
 
 class CostedRunner(ModelRunner):
