@@ -6,6 +6,7 @@ test's own. The bounds on waiting are hang guards, not speed claims.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -31,6 +32,7 @@ from tests.conftest import free_port, start_redis
 from tests.isolation_env import BIG
 from tests.live import DEFAULT_ENV, TENANTS_SCRIPT, LiveServer, _database, http_status
 from tests.serving.rawsse import OPENAI_CHAT, Event, SocketStream, chat_body
+from tests.serving.test_metrics import scrape, value
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = {"rpm-10": {"lane": 1, **{**BIG, "requests_per_minute": 10}},
@@ -152,12 +154,20 @@ def test_the_console_engine_page_shows_both_replicas_through_nginx_with_debug_of
 
 
 def test_requests_per_minute_hold_across_replicas(cluster):
-    """30 parallel requests of a tier allowing 10 a minute, half to each replica: 10 pass."""
+    """30 parallel requests of a tier allowing 10 a minute, half to each replica: 10 pass. A
+    replica whose Redis call misses its deadline (LIMITS_REDIS_TIMEOUT_S, 0.1 s in a cluster)
+    decides alone within its share of the limit (LIMITS_FALLBACK_SHARE, 1/2: 5 a minute), as
+    designed: in one loaded clean-clone run one did and 11 passed. So 10 exactly while Redis
+    answers, and at most 5 more for each replica that fell back."""
     server, _ = cluster
-    urls = [r["url"] for r in _fleet(server)]
+    replicas = [dataclasses.replace(server, url=r["url"]) for r in _fleet(server)]
+    before = [value(scrape(replica), "llm_limits_fallbacks_total") for replica in replicas]
     with ThreadPoolExecutor(30) as pool:
-        statuses = list(pool.map(lambda i: _status(urls[i % 2] + "/v1/models", server.keys["rpm"]), range(30)))
-    assert statuses.count(200) == 10 and statuses.count(429) == 20, statuses
+        statuses = list(pool.map(lambda i: _status(replicas[i % 2].url + "/v1/models", server.keys["rpm"]), range(30)))
+    fell_back = sum(value(scrape(replica), "llm_limits_fallbacks_total") > was for replica, was in zip(replicas, before))
+    passed = statuses.count(200)
+    assert statuses.count(429) == 30 - passed, statuses
+    assert passed == 10 if not fell_back else 0 < passed <= 10 + 5 * fell_back, (statuses, fell_back)
 
 
 def test_concurrent_generations_hold_across_replicas(cluster):
