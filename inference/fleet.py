@@ -117,6 +117,10 @@ class Heartbeat:
         self.url = url if url is not None else settings.REPLICA_URL
         self._client = client
         self._stop = threading.Event()
+        # Held around each write to Redis: stop() takes it to remove the entry, so a beat whose
+        # report or sweep outlasted stop()'s join cannot write the entry back after the removal
+        # (the drain test saw a drained replica listed for three more beats).
+        self._writing = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing = False
 
@@ -139,7 +143,10 @@ class Heartbeat:
         if progress:
             pipe.hset(progress_key(self.instance), mapping=progress)
             pipe.pexpire(progress_key(self.instance), PROGRESS_TTL_MS)
-        pipe.execute()
+        with self._writing:
+            if self._stop.is_set():  # the replica left while this beat gathered its report
+                return
+            pipe.execute()
 
     def _run(self) -> None:
         beats = 0
@@ -169,12 +176,13 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.period_s + 1)
-        try:
-            client = self._client()
-            client.delete(_entry_key(self.id), progress_key(self.instance))
-            client.srem(MEMBERS, self.id)
-        except redis.RedisError as exc:  # it expires by itself
-            log.warning("replica %s could not leave the fleet: %s", self.id, exc)
+        with self._writing:  # a beat past its check has written; any later one writes nothing
+            try:
+                client = self._client()
+                client.delete(_entry_key(self.id), progress_key(self.instance))
+                client.srem(MEMBERS, self.id)
+            except redis.RedisError as exc:  # it expires by itself
+                log.warning("replica %s could not leave the fleet: %s", self.id, exc)
 
 
 def instance() -> str:

@@ -6,6 +6,7 @@ is the live server reporting its own engine. The bounds on waiting are hang guar
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -67,6 +68,34 @@ def test_a_replica_that_stops_reporting_leaves_within_three_beats_and_one_that_s
         assert time.monotonic() - stopped < 3 * 0.2 + 2, "a replica that stopped reporting stayed in the fleet"
         time.sleep(0.05)
     assert redis.smembers(fleet.MEMBERS) == set()  # the expired id is dropped from the set too
+
+
+@pytest.mark.django_db
+def test_a_replica_that_leaves_while_its_report_is_slow_stays_gone(client, redis, settings):
+    """A beat still gathering its report when the replica stops (a draining engine's stats, a
+    sweep past stop()'s join) must not write the entry back after the removal."""
+    settings.OPERATOR_API_TOKEN = token = "t" * 40
+    slow, released = threading.Event(), threading.Event()
+
+    def slow_report() -> dict:
+        if slow.is_set():
+            released.wait(TIMEOUT_S)
+        return report(1, 0)
+
+    leaving = fleet.Heartbeat(slow_report, period_s=0.2, ident="leaving")
+    leaving.start()
+    deadline = time.monotonic() + 10
+    while not listed(client, token)["replicas"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    slow.set()
+    time.sleep(0.5)  # the next beat is now inside its report
+    leaving.stop()  # joins for period_s + 1 s, then removes the entry
+    assert listed(client, token)["replicas"] == []
+    released.set()  # the stalled beat finishes its report
+    leaving._thread.join(TIMEOUT_S)
+    assert not leaving._thread.is_alive()
+    assert listed(client, token)["replicas"] == [] and redis.smembers(fleet.MEMBERS) == set()
 
 
 @pytest.mark.django_db
