@@ -272,6 +272,9 @@ INFERENCE = {
     "NGRAM_MIN": env.int("INFERENCE_NGRAM_MIN", default=3),
     # Where converted weights and tokenizers are kept ("": ~/.cache/llm-platform).
     "CACHE_DIR": env.str("LLM_PLATFORM_CACHE", default=""),
+    # The engine steps in a process of its own (inference.engine.process), so the web tier's
+    # Python never holds the GIL its steps need; off: a thread of the web process.
+    "PROCESS": env.bool("INFERENCE_ENGINE_PROCESS", default=True),
 }
 
 # --- serving ------------------------------------------------------------------------------

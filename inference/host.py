@@ -96,6 +96,8 @@ class EngineHost:
 
     @property
     def error(self) -> str:
+        if self._state == READY and not self._engine.is_ready():  # an engine process that died, restarting
+            return getattr(self._engine, "error", "") or "the engine stopped"
         return self._error
 
     def start(self) -> None:
@@ -114,11 +116,18 @@ class EngineHost:
             from inference.engine.metrics import EngineMetrics
 
             config = engine_config()
-            log.info("loading model %s (device %s, dtype %s, kernels %s)", config.model, config.device, config.dtype,
-                     config.kernels)
-            engine = LLMEngine.from_config(config)
-            async_engine = AsyncEngine(engine, metrics=EngineMetrics())
-            async_engine.start()
+            log.info("loading model %s (device %s, dtype %s, kernels %s)%s", config.model, config.device, config.dtype,
+                     config.kernels, " in a process of its own" if settings.INFERENCE["PROCESS"] else "")
+            if settings.INFERENCE["PROCESS"]:
+                from inference.engine.process import EngineProcess
+
+                async_engine = EngineProcess(config)
+                async_engine.start()
+                engine = async_engine.engine
+            else:
+                engine = LLMEngine.from_config(config)
+                async_engine = AsyncEngine(engine, metrics=EngineMetrics())
+                async_engine.start()
         except Exception as exc:  # a bad model path, out of memory...: say so on /readyz and to callers
             if isinstance(exc, ConfigError):  # the settings, not the code: the operator's to fix, no traceback
                 log.error("the engine cannot start with these INFERENCE settings: %s", exc)

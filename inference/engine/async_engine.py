@@ -350,7 +350,7 @@ class AsyncEngine:
         with self._cond:
             if self._stopping:
                 if isinstance(command, _Add):
-                    _resolve(command.future, EngineNotRunningError("the engine is shutting down"))
+                    self._settle(command.future, EngineNotRunningError("the engine is shutting down"))
                 return
             self._commands.append(command)
             self._cond.notify()
@@ -430,7 +430,7 @@ class AsyncEngine:
                 tenant_id=state.tenant_id, matcher=command.matcher, arrival_time=command.arrival_time,
             )
         except Exception as exc:  # InvalidRequestError and friends belong to the submitter
-            _resolve(command.future, exc)
+            self._settle(command.future, exc)
             return
         self._states[state.request_id] = state
         if self.metrics:
@@ -510,7 +510,7 @@ class AsyncEngine:
             self._commands.clear()
         for command in commands:
             if isinstance(command, _Add):
-                _resolve(command.future, EngineNotRunningError(message))
+                self._settle(command.future, EngineNotRunningError(message))
 
     def _final_output(self, state: _RequestState, reason: str) -> RequestOutput:
         seq = state.seq
@@ -557,11 +557,15 @@ class AsyncEngine:
             return self.engine.scheduler.clock() - seq.arrival_time
         return None
 
+    def _settle(self, future, exc: BaseException | None) -> None:
+        """Answer a submit: added (exc None) or refused. Overridden where submitters are elsewhere."""
+        _resolve(future, exc)
+
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
         for item in outbox:
-            if isinstance(item, asyncio.Future):
-                _resolve(item, None)
+            if not isinstance(item, tuple):  # a submit's future: the request is in the engine
+                self._settle(item, None)
                 continue
             state, out = item
             try:
