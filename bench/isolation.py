@@ -24,6 +24,7 @@ decides alone until a write lands (tenants.fallback).
     .venv/bin/python bench/isolation.py             # ~3-4 minutes on 2 cores
     .venv/bin/python bench/isolation.py --samples 40
     .venv/bin/python bench/isolation.py --front nginx   # through deploy/nginx.conf, as production runs
+    .venv/bin/python bench/isolation.py --only "400 burst" --attacker-nice 19
 """
 from __future__ import annotations
 
@@ -256,7 +257,13 @@ async def _burst_clients(url: str, key: str, count: int) -> list[int]:
     return await asyncio.gather(*(one() for _ in range(count)))
 
 
-def _burst_process(url: str, key: str, count: int, statuses, fired) -> None:
+# The burst's client shares the server's cores on one box, where a real attacker would not:
+# --attacker-nice 19 shows what that costs the bystander (its client stays at 0).
+ATTACKER_NICE = [0]
+
+
+def _burst_process(url: str, key: str, count: int, statuses, fired, nice: int) -> None:
+    os.nice(nice)
     fired.set()
     statuses.extend(asyncio.run(_burst_clients(url, key, count)))
 
@@ -266,7 +273,7 @@ def burst(server: LiveServer, stop: threading.Event, outcome: dict) -> list[thre
     # GIL from the bystander's client and inflated its times (p99 0.34 s, half of it here).
     manager = multiprocessing.Manager()
     statuses, fired = manager.list(), manager.Event()
-    child = multiprocessing.Process(target=_burst_process, args=(server.url, server.keys["attacker"], 400, statuses, fired))
+    child = multiprocessing.Process(target=_burst_process, args=(server.url, server.keys["attacker"], 400, statuses, fired, ATTACKER_NICE[0]))
     child.start()
     fired.wait(30)
 
@@ -324,10 +331,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=25, help="bystander requests per row")
     parser.add_argument("--only", action="append", choices=[name for name, _ in ATTACKS], metavar="ATTACK",
                         help="run only this attack (again for more), beside the idle row; default: all")
+    parser.add_argument("--attacker-nice", type=int, default=0, help="the 400 burst's client process's nice value")
     parser.add_argument("--front", choices=["none", "nginx"], default="none",
                         help="nginx: every request (bystander's and attacker's) through deploy/nginx.conf in "
                              "front of the server, as production runs it (Debian's nginx)")
     args = parser.parse_args()
+    ATTACKER_NICE[0] = args.attacker_nice
     attacks = [(name, attack) for name, attack in ATTACKS if not args.only or name in args.only]
     with tempfile.TemporaryDirectory() as tmp:
         server, stop_server = start_live_server(Path(tmp), TIERS, TENANTS, ENV)
@@ -369,6 +378,10 @@ def main() -> None:
           f"attacker on a tier of {ORDINARY['concurrent_streams']} concurrent generations; "
           f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}"
           + ("; through nginx (deploy/nginx.conf)" if args.front == "nginx" else "")
+          + ("; the engine in a thread of the web process"
+             if os.environ.get("INFERENCE_ENGINE_PROCESS", "").lower() in ("0", "false", "off", "no")
+             else "; the engine in a process of its own")
+          + (f"; the burst's client at nice {args.attacker_nice}" if args.attacker_nice else "")
           + "\n")
     print("| attack | TTFT p50 (s) | TTFT p99 (s) | p99 / idle p99 | bystander failures | what the attacker got |")
     print("|---|---|---|---|---|---|")
