@@ -142,14 +142,21 @@ class _CoreEngine(AsyncEngine):
                    dataclasses.replace(stats, lanes=dict(stats.lanes))))
 
 
-def _serve_commands(core: _CoreEngine, conn: Connection) -> None:
-    """The child's main thread: commands from the web process until it says stop or is gone."""
+def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
+    """The child's main thread: commands from the web process until it says stop or is gone,
+    or the engine thread stops serving (its rebuild failed): then the process exits, and the
+    web process starts another."""
     while True:
         try:
+            if not conn.poll(1.0):
+                if not core.is_ready():
+                    log.error("the engine stopped serving; its process exits for the web process to start another")
+                    return 3
+                continue
             command = conn.recv()
         except (EOFError, OSError):
             log.warning("the web process is gone; the engine process exits")
-            return
+            return 0
         kind = command[0]
         if kind == "add":
             _, rid, payload = command
@@ -158,6 +165,9 @@ def _serve_commands(core: _CoreEngine, conn: Connection) -> None:
             except Exception as exc:
                 log.exception("request %s could not be read", rid)
                 core._settle(rid, EngineError(f"the engine could not read this request ({type(exc).__name__})"))
+                continue
+            if not core.is_ready():
+                core._settle(rid, EngineNotRunningError("the engine is not running"))
                 continue
             matcher = None
             if params is not None and params.grammar is not None and core.engine.grammars is not None:
@@ -180,7 +190,7 @@ def _serve_commands(core: _CoreEngine, conn: Connection) -> None:
         elif kind == "stop":
             core.shutdown(command[1])
             core.send(("stopped",))
-            return
+            return 0
 
 
 def main(argv: list[str]) -> int:
@@ -208,8 +218,7 @@ def main(argv: list[str]) -> int:
     bm = engine.block_manager
     core.send(("ready", {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                          "num_blocks": bm.num_blocks, "block_size": bm.block_size, "model_name": engine.model_name}))
-    _serve_commands(core, conn)
-    return 0
+    return _serve_commands(core, conn)
 
 
 # -- the web process's side --------------------------------------------------------------------
@@ -255,11 +264,69 @@ class _RemoteMetrics:
         return self._owner._render(timeout=5.0)
 
 
+class _Writer:
+    """Messages to the engine process that never block the sender (the web tier's event loop):
+    what the socket does not take at once waits in a buffer that a thread of its own writes
+    out, in order. A stopped or stuck engine process stops reading; its socket fills (~200 KB:
+    a few long prompts) and a plain send then blocked the whole web process, probes and
+    console included, not just the requests to the engine."""
+
+    def __init__(self, fd: int) -> None:
+        # The same socket: MSG_DONTWAIT per call leaves the descriptor, which the reader shares, blocking.
+        self._sock = socket.socket(fileno=os.dup(fd))
+        self._lock = threading.Condition()
+        self._pending = bytearray()
+        self._closed = False
+        threading.Thread(target=self._drain, name="llm-engine-writer", daemon=True).start()
+
+    def send(self, message: tuple) -> None:
+        """Raises OSError once the engine process is gone."""
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = struct.pack("!i", len(body)) + body  # multiprocessing.connection's framing (under 2 GiB)
+        with self._lock:
+            if self._closed:
+                raise BrokenPipeError("the engine process is gone")
+            if not self._pending:
+                try:
+                    sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(frame):
+                    return
+                frame = frame[sent:]
+            self._pending += frame
+            self._lock.notify()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._pending or self._closed):
+                    self._lock.wait()
+                if self._closed:
+                    return
+                chunk = bytes(self._pending)  # stays pending meanwhile: later sends queue behind it
+            try:
+                self._sock.sendall(chunk)
+            except OSError:
+                self.close()
+                return
+            with self._lock:
+                del self._pending[:len(chunk)]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+            self._lock.notify()
+        self._sock.close()
+
+
 @dataclasses.dataclass
 class _Child:
     proc: subprocess.Popen
-    conn: Connection
+    conn: Connection  # what the engine process says, read by the supervisor
     busy: mmap.mmap
+    writer: _Writer  # what it is told
 
 
 class EngineProcess:
@@ -333,7 +400,7 @@ class EngineProcess:
             conn.close()
             proc.wait()
             raise _decode_error(answer[1])
-        self._child = _Child(proc, conn, busy)
+        self._child = _Child(proc, conn, busy, _Writer(conn.fileno()))
         log.info("engine process %d serving", proc.pid)
         return answer[1]
 
@@ -346,7 +413,7 @@ class EngineProcess:
         if child is not None:
             try:
                 with self._lock:
-                    child.conn.send(("stop", timeout))
+                    child.writer.send(("stop", timeout))
             except OSError:
                 pass
             if self._supervisor is not None and self._supervisor is not threading.current_thread():
@@ -357,6 +424,8 @@ class EngineProcess:
                 log.error("engine process %d did not stop; killing it", child.proc.pid)
                 child.proc.kill()
                 child.proc.wait()
+            child.writer.close()
+            child.conn.close()
         self._fail_all("the engine is shutting down")
 
     def is_ready(self) -> bool:
@@ -393,7 +462,7 @@ class EngineProcess:
                 # process (no Django there) could not unpickle.
                 payload = pickle.dumps((prompt, params, Lane(int(lane)), None if tenant_id is None else str(tenant_id),
                                         cache_salt, time.monotonic()))
-                self._child.conn.send(("add", request_id, payload))
+                self._child.writer.send(("add", request_id, payload))
             except (OSError, AttributeError):
                 self._forget(request_id)
                 raise EngineNotRunningError("the engine is not running") from None
@@ -427,7 +496,7 @@ class EngineProcess:
             if self._child is None or self._stopping:
                 return
             try:
-                self._child.conn.send(message)
+                self._child.writer.send(message)
             except OSError:  # the engine process died: its supervisor fails the request
                 pass
 
@@ -439,7 +508,7 @@ class EngineProcess:
             ticket = next(self._tickets)
             self._renders[ticket] = future
             try:
-                self._child.conn.send(("render", ticket))
+                self._child.writer.send(("render", ticket))
             except OSError:
                 self._renders.pop(ticket, None)
                 return b""
@@ -467,6 +536,8 @@ class EngineProcess:
             if self._stopping:
                 return
             code = child.proc.wait()
+            child.writer.close()
+            child.conn.close()
             self._serving = False
             self.error = f"the engine process exited (code {code})"
             log.error("%s; failing the requests in flight and starting another", self.error)
@@ -483,7 +554,7 @@ class EngineProcess:
                     continue
                 with self._lock:
                     if self._stopping:  # shut down while it loaded
-                        self._child.conn.send(("stop", 0))
+                        self._child.writer.send(("stop", 0))
                         return
                     self._restarts += 1
                     self._serving = True

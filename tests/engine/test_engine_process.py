@@ -181,6 +181,40 @@ def test_shutdown_ends_what_runs_and_refuses_more():
         os.kill(pid, 0)
 
 
+def test_a_stopped_engine_process_never_blocks_the_web_process():
+    """A stuck engine process stops reading: its socket fills with a few long prompts, and the
+    web process's event loop, sending the next one, hung with it (every endpoint, the probes
+    too). Now the loop goes on, and what it sent reaches the engine once it runs again."""
+    engine = EngineProcess(CONFIG)
+    engine.start()
+    pid = engine._child.proc.pid
+    prompt = "word " * 50_000  # 250 KB pickled: two of them are more than the socket holds
+
+    async def main():
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            submits = [asyncio.ensure_future(engine.submit(f"big-{i}", prompt, greedy(4))) for i in range(6)]
+            started = time.monotonic()
+            for _ in range(10):
+                await asyncio.sleep(0.01)  # the loop turns while the engine process cannot read
+            turned = time.monotonic() - started
+            assert not any(s.done() for s in submits)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        results = await asyncio.gather(*submits, return_exceptions=True)
+        return turned, results
+
+    try:
+        turned, results = run(main())
+        assert turned < 5
+        # Each one reached the engine and got its answer: too long for this engine's cache.
+        assert all(isinstance(r, InvalidRequestError) and r.code == "context_length_exceeded" for r in results)
+        tokens, final = run(_generate(engine, "after", 4))
+        assert len(tokens) == 4 and engine.stats().restarts == 0
+    finally:
+        engine.shutdown()
+
+
 def test_the_engine_process_ends_with_the_web_process_however_it_died():
     """SIGKILL leaves no chance to stop it: the engine process sees its socket close and exits."""
     script = textwrap.dedent(f"""
