@@ -11,9 +11,9 @@ while the model steps in a child process (`python -m inference.engine.process`).
 Why apart: in one process, the ~240 kernel calls of a step each give up the GIL and wait to
 take it back from whichever web thread holds it. A one-row step beside two busy request-like
 threads in its process took 5.2x its quiet time, beside two busy processes 2.3x
-(bench/engine_contention.py, 2-core Xeon). On the live platform another tenant's first token
-under 16 decoding streams of an attacker went from 2.26-2.30x idle (p99) to 1.86x, and the
-400-connection burst's median from 0.12-0.30 s to 0.04-0.10 s (docs/benchmarks.md).
+(bench/engine_contention.py, 2-core Xeon). On the live platform, side by side: another
+tenant's idle first token p50 0.033 -> 0.021 s, its p99 beside an attacker's 16 decoding
+streams 0.095 -> 0.063 s and beside a 400-connection burst 0.300 -> 0.208 s (docs/benchmarks.md).
 
 The child reads its config from the socket, loads, and answers "ready" (the shape the web
 side checks requests against) or "failed". It ignores SIGINT and SIGTERM: the web process
