@@ -59,7 +59,8 @@ BITS = {"int8": 8, "int4": 4}
 # prompts at the 11th token; in fp32 it did on none.
 SCALE_DTYPES = {8: torch.float32, 4: torch.float16}
 # Rows up to which the compiled kernel takes a CPU linear layer; above it, the dequantized
-# weights and oneDNN (bench/quant_linear.py measures the crossing).
+# weights and oneDNN. No bench times this crossing alone (bench/kernels_ab.py times
+# quant_linear at 1, 2 and 5 rows); the offline rows of bench/engine_throughput.py show its effect.
 KERNEL_ROWS = 32
 # int4 where quant_gemm runs (AVX512-BF16, bf16 x): quant_linear up to this many rows, quant_gemm
 # past it. SmolLM2's 30 layers on a 2-core AVX512-BF16 EPYC, quant_linear's time over
