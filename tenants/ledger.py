@@ -3,9 +3,11 @@
 A generation hands the ledger two entries: `open` when it is admitted (its prompt, before
 the engine sees it) and `close` when it ends (what it used), or `void` when nothing ran.
 Each entry is appended to this process's journal file before anything else happens to
-it, then written to the database by one writer thread:
+it, then written to the database by one writer thread, what arrived together in one
+transaction (up to APPLY_BATCH entries: ~6,000 entries a second on local PostgreSQL, where a
+transaction per entry wrote 300-500, bench/ledger.py):
 
-    Generation --submit--> journal (append) --queue--> writer --apply_usage--> UsageRecord
+    Generation --submit--> journal (append) --queue--> writer --apply_usage_batch--> UsageRecord
 
 So a request never waits on the database to be admitted, a write the database refuses
 (locked, restarting, gone) is retried with backoff instead of dropped, and a process that
@@ -59,6 +61,9 @@ TOUCH_RETRY_S = 1.0
 # it is never dropped. A day is far past any outage the retries are for.
 DEAD_LETTER_AFTER_S = 24 * 3600
 DEAD_LETTER = "dead-letter.jsonl"
+# Entries written in one transaction at most (tenants.actions.apply_usage_batch): what arrives
+# while the last batch was written, so a backlog after an outage is caught up in batches too.
+APPLY_BATCH = 200
 
 
 @dataclass(frozen=True)
@@ -221,12 +226,35 @@ class Ledger:
             if batch:
                 with self._lock:
                     os.fsync(self._file.fileno())
-            for pending in batch:
-                if pending.entry.key in waiting:
-                    waiting[pending.entry.key].append(pending)
-                elif not self._apply(actions, pending):
-                    waiting[pending.entry.key] = deque([pending])
+            for start in range(0, len(batch), APPLY_BATCH):
+                self._apply_batch(actions, batch[start:start + APPLY_BATCH], waiting)
             self._retry(actions, waiting)
+
+    def _apply_batch(self, actions, batch: list[_Pending], waiting: dict[str, deque[_Pending]]) -> None:
+        """Entries that arrived together, in one transaction; where the database refuses it,
+        one by one, so that an entry it refuses holds back only its own key's later entries.
+        A key with a failed write keeps its order: its new entries wait behind it."""
+        ready = []
+        for pending in batch:
+            if pending.entry.key in waiting:
+                waiting[pending.entry.key].append(pending)
+            else:
+                ready.append(pending)
+        if len(ready) > 1:
+            try:
+                actions.apply_usage_batch([pending.entry for pending in ready])
+            except Exception:
+                connection.close()  # the entries below start on a fresh connection
+            else:
+                for pending in ready:
+                    pending.future.set_result(None)
+                    self._applied(pending)
+                return
+        for pending in ready:
+            if pending.entry.key in waiting:
+                waiting[pending.entry.key].append(pending)
+            elif not self._apply(actions, pending):
+                waiting[pending.entry.key] = deque([pending])
 
     @staticmethod
     def _next_retry_in(waiting: dict[str, deque[_Pending]]) -> float | None:

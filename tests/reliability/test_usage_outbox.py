@@ -173,6 +173,58 @@ def test_a_journal_left_by_a_killed_process_is_written_by_the_next_one(tmp_path:
     assert not journal.exists(), "a replayed journal is removed"
 
 
+
+# --- a batch the database refuses ----------------------------------------------------------
+
+_ONE_REFUSED = """
+import django, json, sys, time
+django.setup()
+from django.db import connection
+from tenants.ledger import UsageEntry, ledger
+from tenants.models import UsageRecord
+tenant_id = int(sys.argv[1])
+with connection.cursor() as cursor:
+    cursor.execute("CREATE TRIGGER test_block_one BEFORE INSERT ON tenants_usagerecord WHEN NEW.key = 'gen-bad' "
+                   "BEGIN SELECT RAISE(ABORT, 'blocked'); END")
+
+def entry(op, key, **fields):
+    return UsageEntry(op=op, key=key, tenant_id=tenant_id, lane=1, created="2030-01-15T10:00:00+00:00",
+                      request_id=key, **fields)
+
+def settle(left):
+    deadline = time.monotonic() + 60
+    while ledger().unapplied() > left and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"unapplied": ledger().unapplied(), "rows": list(UsageRecord.objects.order_by("key").values(
+        "key", "prompt_tokens", "completion_tokens", "closed"))}
+
+for key in ("gen-1", "gen-bad", "gen-2"):  # one after another: the writer takes them together
+    ledger().submit(entry("open", key, prompt_tokens=5))
+for key in ("gen-1", "gen-bad", "gen-2"):
+    ledger().submit(entry("close", key, prompt_tokens=5, completion_tokens=9, finish_reason="length"))
+refused = settle(2)
+with connection.cursor() as cursor:
+    cursor.execute("DROP TRIGGER test_block_one")
+print(json.dumps({"refused": refused, "accepted": settle(0)}))
+"""
+
+
+def test_an_entry_the_database_refuses_holds_back_no_other_entry_written_with_it(tmp_path: Path):
+    """Entries that arrive together are written in one transaction; the database refusing one
+    of them (here a trigger, for one key) refuses that transaction, and the others are
+    written one by one at once while the refused key's entries wait for the database."""
+    env, _, tenant_id = _blocked_database(tmp_path, "one-refused")
+    unblock_usage_writes(lambda code: _django(code, env))
+    writer = _python(_ONE_REFUSED, env, str(tenant_id))
+    out, err = writer.communicate(timeout=180)
+    assert writer.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    written = {"prompt_tokens": 5, "completion_tokens": 9, "closed": True}
+    assert result["refused"] == {"unapplied": 2, "rows": [{"key": "gen-1", **written}, {"key": "gen-2", **written}]}
+    assert result["accepted"] == {"unapplied": 0, "rows": [{"key": "gen-1", **written}, {"key": "gen-2", **written},
+                                                           {"key": "gen-bad", **written}]}
+
+
 _DEAD_LETTERING = """
 import django, json, sys, time
 django.setup()
