@@ -35,7 +35,7 @@ from batches import jsonl
 from batches.models import Batch, BatchItem, File
 from inference import catalog
 from tenants.errors import ApiError
-from tenants.models import Tenant, UsageRecord
+from tenants.models import ApiKey, Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,15 @@ COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 EPOCH_KEY = "batches:epoch"
 # Named before batch jobs left the inference app; queued messages carry the name (see tasks).
 RUN_TASK = "inference.run_batch_item"
-STOP_STATES = {"cancelled": State.CANCELLED, "expired": State.EXPIRED}
+STOP_STATES = {"cancelled": State.CANCELLED, "expired": State.EXPIRED, "key_revoked": State.CANCELLED}
 STOP_ERRORS = {
     "cancelled": {"code": "batch_cancelled", "message": "The batch was cancelled before this request finished."},
     "expired": {"code": "batch_expired", "message": "The batch expired before this request finished."},
+    "key_revoked": {"code": "api_key_revoked",
+                    "message": "The API key that created the batch was revoked before this request finished."},
 }
+# What a batch stopped for ends it as: cancelled (by its tenant, or by its key's revocation) or expired.
+STOP_STATUSES = {"cancelled": Status.CANCELLED, "expired": Status.EXPIRED, "key_revoked": Status.CANCELLED}
 
 
 def _now() -> datetime:
@@ -112,8 +116,9 @@ class BatchSpec:
     idempotency_key: str = ""
 
 
-def create_batch(tenant: Tenant, spec: BatchSpec) -> tuple[Batch, bool]:
-    """(batch, created). The same idempotency key with the same request returns the first batch."""
+def create_batch(tenant: Tenant, spec: BatchSpec, api_key: ApiKey | None = None) -> tuple[Batch, bool]:
+    """(batch, created). The same idempotency key with the same request returns the first batch.
+    `api_key`: the key that creates it, whose budget and revocation the batch's requests keep."""
     require_batch_tier(tenant)
     if spec.idempotency_key:
         existing = Batch.objects.filter(tenant=tenant, idempotency_key=spec.idempotency_key).first()
@@ -121,7 +126,7 @@ def create_batch(tenant: Tenant, spec: BatchSpec) -> tuple[Batch, bool]:
             return _replayed(existing, spec), False
     try:
         with transaction.atomic():
-            return _create_batch(tenant, spec), True
+            return _create_batch(tenant, spec, api_key), True
     except IntegrityError:  # a concurrent request with the same key won the race
         existing = Batch.objects.filter(tenant=tenant, idempotency_key=spec.idempotency_key).first()
         if existing is None:
@@ -136,7 +141,7 @@ def _replayed(batch: Batch, spec: BatchSpec) -> Batch:
     return batch
 
 
-def _create_batch(tenant: Tenant, spec: BatchSpec) -> Batch:
+def _create_batch(tenant: Tenant, spec: BatchSpec, api_key: ApiKey | None) -> Batch:
     if spec.endpoint not in jsonl.ENDPOINTS:
         raise ApiError(400, f"'endpoint' must be one of {', '.join(jsonl.ENDPOINTS)}.", code="invalid_value",
                        param="endpoint")
@@ -149,7 +154,7 @@ def _create_batch(tenant: Tenant, spec: BatchSpec) -> Batch:
         raise ApiError(404, f"No file with id '{spec.input_file_id}' (purpose \"batch\") was found.",
                        code="file_not_found", param="input_file_id")
     now = _now()
-    batch = Batch.objects.create(tenant=tenant, endpoint=spec.endpoint, model=catalog.served_model_id(),
+    batch = Batch.objects.create(tenant=tenant, api_key=api_key, endpoint=spec.endpoint, model=catalog.served_model_id(),
                                  input_file_id=file.id,
                                  completion_window=spec.completion_window, metadata=spec.metadata,
                                  idempotency_key=spec.idempotency_key, created_at=now, expires_at=now + window)
@@ -173,21 +178,33 @@ def _create_batch(tenant: Tenant, spec: BatchSpec) -> Batch:
     return batch
 
 
-def cancel(batch: Batch) -> Batch:
-    """Stop sending new items now; running ones are aborted by their workers, which poll."""
+def cancel(batch: Batch, reason: str = "cancelled") -> Batch:
+    """Stop sending new items now; running ones are aborted by their workers, which poll.
+    `reason`: "cancelled" (its tenant asked) or "key_revoked" (the key that created it was)."""
     now = _now()
+    fields = {"status": Status.CANCELLING, "cancelling_at": now, "stop_reason": reason}
+    if reason == "key_revoked":
+        fields["errors"] = {"object": "list", "data": [{"line": None, "param": None, **STOP_ERRORS[reason]}]}
     with transaction.atomic():
         # A batch already expiring stays expired: it has stopped for a reason of its own.
         moved = Batch.objects.filter(pk=batch.pk, status__in=[Status.VALIDATING, Status.IN_PROGRESS],
-                                     stop_reason="").update(status=Status.CANCELLING, cancelling_at=now,
-                                                            stop_reason="cancelled")
+                                     stop_reason="").update(**fields)
         if moved:
-            _stop_queued(batch.pk, "cancelled", now)
+            _stop_queued(batch.pk, reason, now)
     if moved:
-        log.info("batch %s: cancelling", batch.pk)
+        log.info("batch %s: cancelling (%s)", batch.pk, reason)
         finalize(batch.pk)
     batch.refresh_from_db()
     return batch
+
+
+def _cancel_revoked() -> int:
+    """Cancel the running batches whose key was revoked: its holder loses with the key what it
+    had queued (a leaked key's batch would otherwise spend for up to a day). Their finished
+    requests keep their results; the rest end with `api_key_revoked`."""
+    revoked = Batch.objects.filter(status__in=[Status.VALIDATING, Status.IN_PROGRESS], stop_reason="",
+                                   api_key__revoked__isnull=False)
+    return sum(cancel(batch, "key_revoked").stop_reason == "key_revoked" for batch in revoked)
 
 
 def _stop_queued(batch_id: str, reason: str, now: datetime) -> None:
@@ -397,7 +414,7 @@ def _write_results(batch: Batch, now: datetime) -> None:
     with transaction.atomic():
         batch.output_file = _result_file(batch, "output", outputs, now)
         batch.error_file = _result_file(batch, "errors", failures, now)
-        final = {"cancelled": Status.CANCELLED, "expired": Status.EXPIRED}.get(batch.stop_reason, Status.COMPLETED)
+        final = STOP_STATUSES.get(batch.stop_reason, Status.COMPLETED)
         batch.status = final
         setattr(batch, {Status.CANCELLED: "cancelled_at", Status.EXPIRED: "expired_at"}.get(final, "completed_at"), now)
         batch.save()
@@ -423,6 +440,7 @@ def sweep() -> dict[str, int]:
     now = _now()
     report = {"expired": _expire(now), "requeued": _requeue_abandoned(now)}
     report["refinalized"] = _refinalize_stuck(now)
+    report["key_revoked"] = _cancel_revoked()
     try:
         epoch = current_epoch()
     except Exception as exc:

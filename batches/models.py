@@ -15,7 +15,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from tenants.models import Tenant
+from tenants.models import ApiKey, Tenant
 
 
 def new_id(prefix: str) -> str:
@@ -71,6 +71,10 @@ class Batch(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=_batch_id, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
+    # The key that created the batch: its requests are held to the key's own monthly budget and
+    # billed to it, and revoking the key cancels the batch. Empty: created without a key.
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+                                editable=False)
     endpoint = models.CharField(max_length=64)
     model = models.CharField(max_length=128, blank=True)  # the model the batch's lines run on
     input_file_id = models.CharField(max_length=40)
@@ -81,7 +85,7 @@ class Batch(models.Model):
     output_file = models.ForeignKey(File, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     error_file = models.ForeignKey(File, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     idempotency_key = models.CharField(max_length=255, blank=True)
-    # Why items stopped before finishing: "", "cancelled" or "expired". Workers poll it.
+    # Why items stopped before finishing: "", "cancelled", "expired" or "key_revoked". Workers poll it.
     stop_reason = models.CharField(max_length=16, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField()

@@ -27,7 +27,7 @@ from batches import actions
 from batches.models import Batch, File
 from tenants.api import TenantAPIView
 from tenants.errors import ApiError
-from tenants.models import Scope
+from tenants.models import ApiKey, Scope
 
 MAX_PAGE = 100
 MAX_METADATA_KEYS = 16  # as OpenAI
@@ -285,7 +285,8 @@ class BatchList(TenantAPIView):
                        "completion_window": serializers.ChoiceField(choices=["24h"]),
                        "metadata": serializers.DictField(child=serializers.CharField(), required=False)}))
     def post(self, request: Request) -> Response:
-        batch, _ = actions.create_batch(request.user, _batch_spec(request))
+        api_key = request.auth if isinstance(request.auth, ApiKey) else None
+        batch, _ = actions.create_batch(request.user, _batch_spec(request), api_key)
         return Response(actions.batch_object(batch))
 
     @extend_schema(operation_id="listBatches", tags=["batches"], parameters=PAGE_PARAMS,

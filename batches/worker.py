@@ -82,6 +82,8 @@ async def _post(client: httpx.AsyncClient, item: BatchItem, request_id: str) -> 
     headers = {"Authorization": f"Bearer {settings.BATCH_WORKER_TOKEN}", "X-Tenant-Id": str(item.batch.tenant_id),
                "X-Request-Id": request_id, "X-Batch-Item": str(item.pk), "X-Batch-Attempt": str(item.runs),
                "X-Batch-Id": item.batch_id}
+    if item.batch.api_key_id is not None:  # its budget holds the request, and its revocation refuses it
+        headers["X-Api-Key-Id"] = str(item.batch.api_key_id)
     response = await client.post(url, json=item.body, headers=headers)
     try:
         body = public_errors.response_body(response.json(), response.status_code)
@@ -158,14 +160,19 @@ def _transport_error(exc: Exception) -> dict:
 def _settle(item: BatchItem, token: str, answer: Answer) -> str:
     """Store a final answer, or put the item back for a later attempt."""
     code = _error_code(answer)
-    if (answer.status_code, code) == (429, "lane_full") or answer.status_code == 503:
-        # Engine back-pressure or a platform dependency away: retry later, never drop.
+    if (answer.status_code, code) in ((429, "lane_full"), (429, "budget_reserved")) or answer.status_code == 503:
+        # Engine back-pressure, the rest of a budget held by requests in flight (most of it comes
+        # back as they end), or a platform dependency away: retry later, never drop.
         delay = max(answer.retry_after_s or 0, actions.backoff_s(1))
         actions.release(item, token, delay, counted=False, error=answer.body.get("error"))
         return "backpressure"
     if answer.status_code >= 500:
         actions.release(item, token, actions.backoff_s(item.attempts), counted=True, error=answer.body.get("error"))
         return "server-error"
+    if code == "api_key_revoked":  # the batch stops now, not at the next sweep: this item with it
+        actions.cancel(item.batch, "key_revoked")
+        actions.stop(item, token)
+        return "stopped"
     actions.finish(item, token, answer.status_code, answer.request_id, answer.body)
     log.info("batch %s: item line %d -> %d", item.batch_id, item.line, answer.status_code)
     return "finished"

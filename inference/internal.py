@@ -6,7 +6,10 @@ A worker authenticates with its service token (`Authorization: Bearer
 P2 whatever it asks for, is not counted against the tenant's interactive requests/min or
 tokens/min (batch work has its own pace: the engine's back-pressure), is still held to
 the tier's max_tokens and monthly budget, and its usage is recorded against the tenant in
-lane P2 with the worker's `X-Request-Id`. A worker names the item and its attempt
+lane P2 with the worker's `X-Request-Id`. A batch created with an API key names it
+(`X-Api-Key-Id`): the request is then held to that key's own monthly budget too and billed to
+it, and refused (403 `api_key_revoked`) once the key is revoked; an expired key (a rotated one
+past its grace) still runs what it created. A worker names the item and its attempt
 (`X-Batch-Item`, `X-Batch-Attempt`): an item's attempts share one usage row, each replacing
 the last, so an item whose worker died after the engine billed it is billed once.
 """
@@ -20,7 +23,7 @@ from inference.service_tokens import is_batch_worker_token
 from tenants import admission
 from tenants.errors import ApiError
 from tenants.middleware import AsgiScope, refuse, scope_header
-from tenants.models import Lane, Tenant
+from tenants.models import ApiKey, Lane, Tenant
 
 MAX_REQUEST_ID = 64
 
@@ -29,6 +32,12 @@ def _tenant(tenant_id: str) -> Tenant | None:
     if not tenant_id.isdigit():
         return None
     return Tenant.objects.select_related("tier").filter(pk=int(tenant_id), is_active=True).first()
+
+
+def _batch_key(tenant: Tenant, key_id: str) -> ApiKey | None:
+    if not key_id.isdigit():
+        return None
+    return ApiKey.objects.filter(pk=int(key_id), tenant=tenant).first()
 
 
 class ServiceTokenMiddleware:
@@ -52,7 +61,24 @@ class ServiceTokenMiddleware:
                              param="X-Tenant-Id")
             return await refuse(scope, receive, send, error)
         http_metrics.note_tenant(scope, tenant.engine_id)
-        return await self.app({**scope, "tenant": tenant, "api_key": None, "rate_limit": None}, receive, send)
+        api_key = None
+        key_id = scope_header(scope, b"x-api-key-id")
+        if key_id is not None:
+            try:
+                api_key = await admission.run(_batch_key, tenant, key_id, caller=f"batch:{tenant.pk}",
+                                              what="batch key lookup")
+            except ApiError as error:
+                return await refuse(scope, receive, send, error)
+            refusal = None
+            if api_key is None:
+                refusal = ApiError(404, "No API key of this tenant with the id in X-Api-Key-Id.", code="api_key_not_found",
+                                   param="X-Api-Key-Id")
+            elif api_key.revoked is not None:
+                refusal = ApiError(403, "The API key that created this batch was revoked.", type="permission_error",
+                                   code="api_key_revoked")
+            if refusal is not None:
+                return await refuse(scope, receive, send, refusal)
+        return await self.app({**scope, "tenant": tenant, "api_key": api_key, "rate_limit": None}, receive, send)
 
 
 class BatchItemConsumer(OpenAIConsumer):
