@@ -3,8 +3,9 @@
 1. `install_body_limit`: refuse request bodies over MAX_REQUEST_BYTES while they arrive.
 2. `allow_endpoint_close_codes`: let WebSocket consumers close with RFC 6455's 1008
    (policy violation), 1009 (message too big) and 1011 (server error).
-3. `install_stream_backpressure`: a stream's `send` waits while its client is not reading,
-   and a client that reads nothing for STREAM_STALL_S is disconnected.
+3. `install_stream_backpressure`: a stream's `send` (an event stream, a WebSocket, a file
+   download) waits while its client is not reading, and a client that reads nothing for
+   STREAM_STALL_S is disconnected.
 4. `skip_form_parsing`: Twisted does not parse form bodies into `request.args` (daphne never
    reads them; the application parses the body it is handed).
 5. `enlarge_body_messages`: bodies reach the application in 256 KiB messages, not 8 KiB ones.
@@ -249,11 +250,18 @@ def _path(protocol) -> str:
     return path.decode("latin-1", "replace") if isinstance(path, bytes) else str(path)
 
 
+# Unread bytes a file download may hold (batches.views streams it 1 MiB at a time): more than
+# an event stream's, so a reader that keeps up never waits on the drain's polling.
+DOWNLOAD_BUFFER_BYTES = 2 * 1024**2
+
+
 def _is_stream_write(protocol, message: dict) -> bool:
     kind = message["type"]
     if kind == "http.response.start":
-        content_type = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
-        protocol._is_stream = content_type.lower().startswith(b"text/event-stream")
+        content_type = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"").lower()
+        download = content_type.startswith(b"application/jsonl")
+        protocol._is_stream = download or content_type.startswith(b"text/event-stream")
+        protocol._stream_limit = DOWNLOAD_BUFFER_BYTES if download else None
         return False
     if kind == "http.response.body":
         return bool(message.get("more_body")) and getattr(protocol, "_is_stream", False)
@@ -266,7 +274,7 @@ def _is_stream_write(protocol, message: dict) -> bool:
 async def _wait_for_reader(protocol) -> None:
     """Return once the client has taken enough of what its stream holds; disconnect it when it
     takes nothing for STREAM_STALL_S."""
-    limit, stall_s = _streams["max_bytes"], _streams["stall_s"]
+    limit, stall_s = getattr(protocol, "_stream_limit", None) or _streams["max_bytes"], _streams["stall_s"]
     transport = getattr(protocol, "transport", None)
     held = buffered_bytes(transport)
     if held <= limit:

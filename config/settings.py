@@ -342,6 +342,9 @@ FILES_UPLOAD_WORKERS = env.int("FILES_UPLOAD_WORKERS", default=2)
 # Uploads of one tenant checked at once in one process: below FILES_UPLOAD_WORKERS, so one
 # tenant's files never hold the whole pool (a second one gets 429 and Retry-After).
 FILES_MAX_CONCURRENT_UPLOADS = env.int("FILES_MAX_CONCURRENT_UPLOADS", default=1)
+# Downloads of one tenant's files streaming at once in one process (a 429 past it): each holds
+# up to ~3 MiB (batches/views.py), read from the database a slice at a time.
+FILES_MAX_CONCURRENT_DOWNLOADS = env.int("FILES_MAX_CONCURRENT_DOWNLOADS", default=4)
 # A known tenant's refused upload is answered at once and its connection closed this much later,
 # its body unread meanwhile (batches/upload_gate.py): a client looping refused uploads is slowed to
 # one a second per connection. Without it two such loops took ~50 refusals a second and another
