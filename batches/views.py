@@ -11,14 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import connection
 from django.db.models import Sum
 from django.db.models.functions import Substr
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
-from django.views.decorators.csrf import csrf_exempt
+from django.http import HttpResponse, StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.negotiation import BaseContentNegotiation
@@ -28,7 +26,7 @@ from rest_framework.response import Response
 
 from batches import actions
 from batches.models import Batch, File
-from tenants.api import TenantAPIView
+from tenants.api import TenantAPIView, off_the_shared_thread
 from tenants.errors import ApiError
 from tenants.models import ApiKey, Scope
 
@@ -194,19 +192,6 @@ def _check_storage(tenant, size: int) -> None:
 _upload_pool = ThreadPoolExecutor(max_workers=settings.FILES_UPLOAD_WORKERS, thread_name_prefix="file-upload")
 
 
-def _posts_off_the_shared_thread(view_class: type[TenantAPIView]):
-    view = view_class.as_view()
-
-    @csrf_exempt  # as DRF's own views: clients authenticate by key, not by cookie
-    async def serve(request: HttpRequest) -> HttpResponse:
-        if request.method == "POST":
-            return await database_sync_to_async(view, thread_sensitive=False, executor=_upload_pool)(request)
-        return await sync_to_async(view)(request)
-
-    serve.__doc__ = f"{view_class.__doc__} (POST on the upload pool)"
-    return serve
-
-
 class FileDetail(TenantAPIView):
     """GET /v1/files/{id}, DELETE /v1/files/{id}."""
     scopes = {"GET": Scope.READ, "DELETE": Scope.BATCH}
@@ -362,8 +347,8 @@ class BatchList(TenantAPIView):
         return Response(_page(Batch.objects.filter(tenant=request.user), request, actions.batch_objects))
 
 
-files = _posts_off_the_shared_thread(FileList)
-batch_list = _posts_off_the_shared_thread(BatchList)
+files = off_the_shared_thread(FileList, _upload_pool, "upload")
+batch_list = off_the_shared_thread(BatchList, _upload_pool, "upload")
 
 
 class BatchDetail(TenantAPIView):

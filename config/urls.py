@@ -23,8 +23,8 @@ urlpatterns = [
     path("metrics", operator_views.metrics, name="metrics"),
     path("v1/", include("inference.urls")),
     # vLLM's utility endpoints, at its paths (the tenant's key, requests/min).
-    path("tokenize", views.Tokenize.as_view(), name="tokenize"),
-    path("detokenize", views.Detokenize.as_view(), name="detokenize"),
+    path("tokenize", views.tokenize, name="tokenize"),
+    path("detokenize", views.detokenize, name="detokenize"),
     path("v1/", include("batches.urls")),
     path("v1/usage", tenant_views.Usage.as_view(), name="usage"),
     path("v1/organization/usage/completions", tenant_views.OrganizationUsage.as_view()),

@@ -1,6 +1,11 @@
-"""The base view for tenant-facing API endpoints."""
+"""The base view for tenant-facing API endpoints, and serving one off Django's shared thread."""
+from concurrent.futures import Executor
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -31,3 +36,20 @@ class TenantAPIView(APIView):
             for name, value in rate_limit_headers(decision).items():
                 response.headers.setdefault(name, value)
         return response
+
+
+def off_the_shared_thread(view_class: type[TenantAPIView], executor: Executor, pool: str, methods=("POST",)):
+    """`view_class` as an async view whose `methods` run on `executor`, the others as Django runs
+    sync views. Under ASGI Django runs every sync view on one shared thread: a view that works
+    for long there (parsing a file, tokenizing a long prompt) holds up every other tenant's
+    request to any sync view."""
+    view = view_class.as_view()
+
+    @csrf_exempt  # as DRF's own views: clients authenticate by key, not by cookie
+    async def serve(request: HttpRequest) -> HttpResponse:
+        if request.method in methods:
+            return await database_sync_to_async(view, thread_sensitive=False, executor=executor)(request)
+        return await sync_to_async(view)(request)
+
+    serve.__doc__ = f"{view_class.__doc__} ({', '.join(methods)} on the {pool} pool)"
+    return serve

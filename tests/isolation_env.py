@@ -50,6 +50,9 @@ TENANTS: dict[str, str] = {
     "bounds-batch": "hostile-p2",
     # tests/security/test_file_upload_bounds.py
     "uploads-acme": "hostile-p2",
+    # tests/security/test_utility_endpoints.py: a flood of /tokenize, and another tenant's files list
+    "tokenizer": "hostile-p1",
+    "tokenizer-bystander": "hostile-p2",
     # tests/reliability/test_connection_burst.py: 400 concurrent streams, under its 1000 slots
     "burst": "hostile-p1",
     # tests/security/test_generation_slots.py
