@@ -271,8 +271,8 @@ class _Download:
             for offset in range(0, self.size, DOWNLOAD_CHUNK):
                 part = await database_sync_to_async(_slice, thread_sensitive=False, executor=_download_pool)(
                     self.file_id, offset)
-                if not part:  # deleted meanwhile: the body ends short of its Content-Length
-                    return
+                if not part:  # deleted meanwhile: the connection closes short of Content-Length
+                    raise RuntimeError(f"file {self.file_id} was deleted during its download")
                 yield part
         finally:
             self.done = True

@@ -29,6 +29,7 @@ daphne_hooks.allow_endpoint_close_codes()
 daphne_hooks.skip_form_parsing()
 daphne_hooks.enlarge_body_messages()
 daphne_hooks.name_status_codes()
+daphne_hooks.abort_after_late_errors()  # a view raising mid-stream: the client sees the cut, daphne keeps checking
 daphne_hooks.pace_accepts(settings.ACCEPTS_PER_TURN)
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).
 daphne_hooks.install_stream_backpressure(settings.STREAM_MAX_BUFFERED_BYTES, settings.STREAM_STALL_S)

@@ -12,6 +12,8 @@
 6. `name_status_codes`: statuses Twisted has no reason phrase for (429, 422, 431...) go out
    with the standard one, not "Unknown Status".
 7. `pace_accepts`: at most ACCEPTS_PER_TURN new connections per turn of the event loop.
+8. `abort_after_late_errors`: an application exception after the response started aborts the
+   connection instead of stopping daphne's application checker.
 
 All patch daphne's classes in this process only; `config.asgi` installs them, so they
 apply exactly where daphne serves the application.
@@ -175,6 +177,30 @@ def name_status_codes() -> None:
 
     for status in HTTPStatus:
         http.RESPONSES.setdefault(status.value, status.phrase.encode())
+
+
+def abort_after_late_errors() -> None:
+    """An application that raises once its response has started (a file deleted during its
+    download, say): daphne answers every application exception with its 500 page, whose
+    `http.response.start` raised ValueError inside the server's once-a-second application
+    checker, which then never ran again in that process (no more timeouts, no reaping of
+    finished applications), and the client waited for the rest of a body that never came.
+    Here the connection is aborted instead: the client sees its body cut short at once."""
+    from daphne.http_protocol import WebRequest
+
+    if getattr(WebRequest, "_late_errors_installed", False):
+        return
+    handle_exception = WebRequest.handle_exception
+
+    def abort_if_started(self, exception):
+        if not getattr(self, "_response_started", False):
+            return handle_exception(self, exception)
+        transport = self.channel.transport if self.channel is not None else None
+        if transport is not None:
+            transport.abortConnection()
+
+    WebRequest.handle_exception = abort_if_started
+    WebRequest._late_errors_installed = True
 
 
 def allow_endpoint_close_codes() -> None:

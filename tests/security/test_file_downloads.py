@@ -94,3 +94,26 @@ def test_downloads_a_client_does_not_read_hold_no_copy_of_the_file_and_are_bound
     while (again := download()).status_code == 429 and time.monotonic() < deadline:
         time.sleep(0.2)  # until the server sees the stalled clients leave
     assert again.status_code == 200 and again.content == content
+
+
+def test_a_file_deleted_during_its_download_cuts_the_download_off(hostile_live: LiveServer):
+    """The download's next slice finds no file: the connection is aborted, so the client sees
+    its body cut short of Content-Length. Daphne answered the view's exception with its 500
+    page, which raised inside its application checker once the response had started: the
+    client waited for the rest until its own timeout, and the checker never ran again."""
+    key = hostile_live.keys["uploads-acme"]
+    headers = {"Authorization": f"Bearer {key}"}
+    content = _file(LINES)
+    uploaded = requests.post(hostile_live.url + "/v1/files", headers=headers, data={"purpose": "batch"},
+                             files={"file": ("gone.jsonl", content)}, timeout=TIMEOUT_S)
+    file_id = uploaded.json()["id"]
+    download = requests.get(f"{hostile_live.url}/v1/files/{file_id}/content", headers=headers, stream=True,
+                            timeout=TIMEOUT_S)
+    chunks = download.iter_content(64 * 1024)
+    received = len(next(chunks))
+    assert requests.delete(f"{hostile_live.url}/v1/files/{file_id}", headers=headers,
+                           timeout=TIMEOUT_S).status_code == 200
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):  # not a timeout: the server cut it
+        for chunk in chunks:
+            received += len(chunk)
+    assert received < len(content)
