@@ -12,7 +12,7 @@ from django.test import override_settings
 from django.urls import reverse
 
 from batches import actions as batch_actions
-from batches.models import Batch, BatchItem
+from batches.models import Batch, BatchItem, File
 from console.templatetags.numbers import abbrev
 from tenants import actions
 from tenants.models import AuditEntry, Tenant
@@ -155,8 +155,11 @@ def test_a_batchs_files_download_with_the_bytes_the_api_gives(admin_client, tena
         assert f'href="{link}" download' in page
         download = admin_client.get(link)
         assert download["Content-Disposition"].startswith("attachment; filename=")
+        # The API streams the stored bytes (read live in tests/security/test_file_downloads.py).
+        stored = bytes(File.objects.get(pk=file_id).content)
         api = client.get(f"/v1/files/{file_id}/content", HTTP_AUTHORIZATION=f"Bearer {secret}")
-        assert download.content == api.content and api.content.count(b"\n") == {"input": 3, "output": 2, "error": 1}[kind]
+        assert api.status_code == 200 and api["Content-Length"] == str(len(stored))
+        assert download.content == stored and stored.count(b"\n") == {"input": 3, "output": 2, "error": 1}[kind]
     running, _ = batch_underway(tenant, 2, finished=0, running=1)
     assert admin_client.get(reverse("console:batch-file", kwargs={"batch_id": running.id, "kind": "output"})).status_code == 404
 
