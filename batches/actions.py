@@ -282,9 +282,13 @@ def claim(item_id: int, token: str) -> BatchItem | None:
     taken = BatchItem.objects.filter(
         Q(not_before__isnull=True) | Q(not_before__lte=now),
         pk=item_id, state=State.QUEUED, batch__status=Status.IN_PROGRESS, batch__stop_reason="",
+        batch__tenant__is_active=True,
     ).update(state=State.RUNNING, claim=token, heartbeat_at=now, attempts=F("attempts") + 1, runs=F("runs") + 1,
              dispatched_at=None)
     if not taken:
+        # Its tenant deactivated since it was sent: undispatched, the sweep sends it again once
+        # the tenant is active (dispatch skips it until then).
+        BatchItem.objects.filter(pk=item_id, state=State.QUEUED, batch__tenant__is_active=False).update(dispatched_at=None)
         return None
     return BatchItem.objects.select_related("batch__tenant").get(pk=item_id)
 
@@ -364,7 +368,9 @@ def dispatch(batch_id: str, epoch: str | None = None) -> int:
     from config.celery import app
 
     now = _now()
-    items = BatchItem.objects.filter(batch_id=batch_id, batch__status=Status.IN_PROGRESS, batch__stop_reason="")
+    # A deactivated tenant's items wait, queued, for its reactivation or the batch's expiry.
+    items = BatchItem.objects.filter(batch_id=batch_id, batch__status=Status.IN_PROGRESS, batch__stop_reason="",
+                                     batch__tenant__is_active=True)
     in_flight = items.filter(Q(state=State.RUNNING) | Q(state=State.QUEUED, dispatched_at__isnull=False)).count()
     room = settings.BATCH_DISPATCH_WINDOW - in_flight
     if room <= 0:

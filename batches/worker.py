@@ -160,9 +160,11 @@ def _transport_error(exc: Exception) -> dict:
 def _settle(item: BatchItem, token: str, answer: Answer) -> str:
     """Store a final answer, or put the item back for a later attempt."""
     code = _error_code(answer)
-    if (answer.status_code, code) in ((429, "lane_full"), (429, "budget_reserved")) or answer.status_code == 503:
+    if (answer.status_code, code) in ((429, "lane_full"), (429, "budget_reserved"), (404, "tenant_not_found")) \
+            or answer.status_code == 503:
         # Engine back-pressure, the rest of a budget held by requests in flight (most of it comes
-        # back as they end), or a platform dependency away: retry later, never drop.
+        # back as they end), the tenant deactivated (its items wait for it to be reactivated or
+        # the batch to expire), or a platform dependency away: retry later, never drop.
         delay = max(answer.retry_after_s or 0, actions.backoff_s(1))
         actions.release(item, token, delay, counted=False, error=answer.body.get("error"))
         return "backpressure"

@@ -27,7 +27,7 @@ TIERS = {
     "no-batch": {"lane": 1, **BIG},
 }
 TENANTS = {"acme": "batch-p2", "globex": "batch-p2", "initech": "batch-p0", "hooli": "no-batch",
-           "recover": "batch-p2"}
+           "recover": "batch-p2", "paused": "batch-p2"}
 
 # Recovery in seconds, not minutes: a worker that stops heartbeating loses its items after
 # 10 s (it heartbeats every 2.5 s; a shorter lease let a live worker on a saturated CI box

@@ -1,13 +1,16 @@
-"""A batch runs with the rights of the API key that created it.
+"""A batch runs with the rights of the API key that created it, and of its tenant.
 
 A key may carry its own monthly budget (a tenant handing a contractor a capped key) and may be
 revoked (a leaked key). Batch items ran as the tenant, with no key: a capped key's batch spent
 the tenant's budget past the key's cap, and a revoked key's batch went on generating for up to
 its 24 h window. Now the worker names the batch's key to the internal endpoint, which holds the
 request to that key's budget and bills it to the key, and refuses it once the key is revoked;
-a revoked key's running batches are cancelled.
+a revoked key's running batches are cancelled. A deactivated tenant's batch waits for its
+reactivation (or its expiry) instead of failing item by item.
 """
 from __future__ import annotations
+
+import time
 
 import pytest
 from openai import OpenAI
@@ -91,3 +94,36 @@ result = True
     failures = read_jsonl(owner.files.content(done.error_file_id).text)
     assert len(failures) == 120 - done.request_counts.completed
     assert {line["error"]["code"] for line in failures} == {"api_key_revoked"}, failures[:3]
+
+
+def _set_active(stack, tenant: str, active: bool) -> None:
+    stack.server.django(f"""
+from tenants import actions
+from tenants.models import Tenant
+actions.set_active(Tenant.objects.get(name={tenant!r}), {active!r})
+result = True
+""")
+
+
+def test_a_deactivated_tenants_batch_waits_and_finishes_once_it_is_reactivated(stack):
+    """Deactivated, a tenant's requests are refused; its batch items failed one by one with the
+    internal endpoint's 404 (naming an internal header in the tenant's error file). They wait,
+    queued, and run once the tenant is active again (or expire with the batch)."""
+    stack.ensure_worker()
+    owner = stack.client("paused")
+    batch = _run(stack, stack.server.keys["paused"], chat_lines(60, max_tokens=16, prefix="paused"))
+    wait_for(lambda: owner.batches.retrieve(batch.id).request_counts.completed >= 1, 180,
+             what="the first item to complete")
+    _set_active(stack, "paused", False)
+    try:
+        time.sleep(3)  # what was running ends; nothing more starts
+        during = stack.items(batch.id)
+        assert "failed" not in during, during
+        assert during.get("queued", 0) > 0, during
+        time.sleep(2)
+        assert stack.items(batch.id) == during, "items ran while the tenant was deactivated"
+    finally:
+        _set_active(stack, "paused", True)
+    done = wait_for(lambda: (b := owner.batches.retrieve(batch.id)).status == "completed" and b, 240,
+                    what="the batch to finish after the reactivation")
+    assert (done.request_counts.completed, done.request_counts.failed) == (60, 0)
