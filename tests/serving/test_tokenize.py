@@ -68,3 +68,16 @@ def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path, body, statu
 def test_a_key_is_needed(live: LiveServer):
     status, answer = post(live, "/tokenize", {"prompt": "a"}, key=False)
     assert status == 401 and answer["error"]["message"]
+
+
+def test_a_key_without_the_inference_scope_is_refused_naming_it(live: LiveServer):
+    # Live: these views run on a pool of their own, whose connections an in-process test's
+    # transaction would hide its tenant from.
+    key = live.django(f"""
+from tenants import actions
+from tenants.models import Tenant
+result = actions.issue_key(Tenant.objects.get(name={TENANT!r}), name="read-only", scopes=["read"]).plaintext
+""")
+    for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        status, answer = post(live, path, body, key=key)
+        assert (status, answer["error"]["code"]) == (403, "missing_scope_inference"), (path, answer)
