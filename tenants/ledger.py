@@ -5,7 +5,7 @@ the engine sees it) and `close` when it ends (what it used), or `void` when noth
 Each entry is appended to this process's journal file before anything else happens to
 it, then written to the database by one writer thread, what arrived together in one
 transaction (up to APPLY_BATCH entries: ~6,000 entries a second on local PostgreSQL, where a
-transaction per entry wrote 300-500, bench/ledger.py):
+transaction per entry wrote ~600, bench/ledger.py):
 
     Generation --submit--> journal (append) --queue--> writer --apply_usage_batch--> UsageRecord
 
