@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from tenants import keys, quota
@@ -230,16 +231,50 @@ def key_use_is_news(api_key: ApiKey, now: datetime) -> bool:
 
 
 def mark_key_used(api_key: ApiKey, now: datetime) -> None:
-    """Record that the key was used, at most once per LAST_USED_RESOLUTION (here and now:
-    the synchronous views; the streaming paths hand it to `tenants.ledger` instead)."""
-    if key_use_is_news(api_key, now) and touch_key(api_key.pk, now):
+    """Record that the key was used, at most once per LAST_USED_RESOLUTION: here and now on
+    the synchronous views, unless the row or the file is locked; then, as on the streaming
+    paths, `tenants.ledger`'s writer records it once the lock is gone."""
+    if not key_use_is_news(api_key, now):
+        return
+    if touch_key(api_key.pk, now):
         api_key.last_used = now
+        return
+    from tenants.ledger import ledger
+
+    ledger().touch_key(api_key.pk, now)
 
 
 def touch_key(api_key_id: int, now: datetime) -> bool:
-    """Write `last_used`, unless another transaction holds the key's row locked (False: try
-    again later). Waiting on the lock would hold up whoever waits for this write (PostgreSQL;
-    SQLite has no row locks and waits on its one write lock instead)."""
+    """Write `last_used`, unless another transaction holds the key's row locked, or on SQLite
+    the file's one write lock (False: try again later). Waiting on the lock would hold up
+    whoever waits for this write: a request on a synchronous view waited out SQLite's busy
+    timeout (20 s) behind a batch worker's write and then answered 503."""
+    if connection.vendor == "sqlite" and not connection.in_atomic_block:
+        with _sqlite_busy_timeout(0):
+            try:
+                return _touch(api_key_id, now)
+            except OperationalError as exc:
+                if "locked" not in str(exc):  # "database is locked": another connection writes
+                    raise
+                return False
+    return _touch(api_key_id, now)
+
+
+@contextmanager
+def _sqlite_busy_timeout(ms: int):
+    """SQLite's wait for a lock on this connection, `ms` meanwhile."""
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout")
+        before = int(cursor.fetchone()[0])
+        cursor.execute(f"PRAGMA busy_timeout = {int(ms)}")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"PRAGMA busy_timeout = {before}")
+
+
+def _touch(api_key_id: int, now: datetime) -> bool:
     with transaction.atomic():
         rows = ApiKey.objects.filter(pk=api_key_id)
         if connection.features.has_select_for_update_skip_locked:

@@ -100,8 +100,9 @@ def _metric(live: LiveServer, name: str) -> float:
 class _Lock:
     """Holds a database lock from another connection until released."""
 
-    def __init__(self, live: LiveServer, how: str) -> None:
+    def __init__(self, live: LiveServer, how: str, key: str | None = None) -> None:
         self.url, self.how, self.live = live.env["DATABASE_URL"], how, live
+        self.key = key or live.keys["locked"]  # PostgreSQL's "write": this key's row
         self.ready, self.release = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._hold, daemon=True)
 
@@ -137,7 +138,7 @@ class _Lock:
             if self.how == "unreadable":  # every read of the keys waits
                 conn.execute("LOCK TABLE tenants_apikey IN ACCESS EXCLUSIVE MODE")
             else:  # the locked tenant's key row, as a long transaction elsewhere would hold it
-                prefix = self.live.keys["locked"].split("_")[0].removeprefix("sk-")
+                prefix = self.key.split("_")[0].removeprefix("sk-")
                 conn.execute("SELECT 1 FROM tenants_apikey WHERE prefix = %s FOR UPDATE", (prefix,))
             self.ready.set()
             self.release.wait(120)
@@ -146,7 +147,8 @@ class _Lock:
 
 def test_a_locked_key_row_delays_neither_its_tenant_nor_another(hostile_live: LiveServer):
     # "locked" has never been used: its first request is due a last_used write, which waited on
-    # the lock on the shared thread, and every other tenant's admission with it.
+    # the lock on asgiref's shared thread (Channels consumers have no per-request context), and
+    # every other tenant's admission with it.
     with _Lock(hostile_live, "write") as lock:
         with ThreadPoolExecutor(2) as pool:
             locked, calm = pool.map(lambda tenant: _chat(hostile_live, tenant), ["locked", "calm-a"])
@@ -165,6 +167,45 @@ def test_a_locked_key_row_delays_neither_its_tenant_nor_another(hostile_live: Li
         result = ApiKey.objects.get(tenant_id={hostile_live.tenant_ids['locked']}).last_used is not None
     """)
     assert last_used, "the key's use is recorded once the lock is gone"
+
+
+def _get(live: LiveServer, path: str, key: str) -> tuple[int, bytes, float]:
+    request = urllib.request.Request(live.url + path, headers={"Authorization": f"Bearer {key}"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read(), time.monotonic() - started
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), time.monotonic() - started
+
+
+def test_a_held_write_lock_keeps_no_tenant_from_reading_its_own_files_batches_and_usage(hostile_live: LiveServer):
+    """The key-touch of item 7 on the synchronous views: a key's first use wrote `last_used`
+    on the request's path, and on SQLite waited out the busy timeout (20 s) behind whoever
+    held the file's one write lock (a batch worker's long write, a backup), then answered 503.
+    Reads need no lock; the key's use is recorded once the lock is gone."""
+    key_id, key = hostile_live.django("""
+        from tenants import actions
+        from tenants.models import Tenant
+        issued = actions.issue_key(Tenant.objects.get(name="calm-c"), name="never used")
+        result = [issued.api_key.pk, issued.plaintext]
+    """)
+    with _Lock(hostile_live, "write", key=key) as lock:
+        answers = {path: _get(hostile_live, path, key) for path in ("/v1/models", "/v1/files", "/v1/batches", "/v1/usage?start_time=0")}
+        held = lock.thread.is_alive() and not lock.release.is_set()
+    assert held
+    for path, (status, body, seconds) in answers.items():
+        assert status == 200, (path, status, body[:300])
+        assert seconds < 15, (path, "answered only after the lock was given up")  # it is held until all answered
+    recorded = hostile_live.django(f"""
+        import time
+        from tenants.models import ApiKey
+        deadline = time.monotonic() + 30
+        while ApiKey.objects.get(pk={key_id}).last_used is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        result = ApiKey.objects.get(pk={key_id}).last_used is not None
+    """)
+    assert recorded, "the key's use is recorded once the lock is gone"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
