@@ -26,7 +26,7 @@ from rest_framework.response import Response
 
 from batches import actions
 from batches.models import Batch, File
-from tenants.api import TenantAPIView, off_the_shared_thread
+from tenants.api import TenantAPIView, on_a_pool
 from tenants.errors import ApiError
 from tenants.models import ApiKey, Scope
 
@@ -185,10 +185,10 @@ def _check_storage(tenant, size: int) -> None:
                             "delete files it no longer needs.", code="storage_limit_exceeded", param="file")
 
 
-# Under ASGI Django runs every sync view on one shared thread: a large file parsed there
-# (a 40 MiB upload took 14 s) held up every other tenant's request. Uploads, and batch
+# A large file parsed in a request's own thread (a 40 MiB upload took 14 s) took the GIL from
+# every other tenant's request for as many uploads as were sent at once. Uploads, and batch
 # creation (which reads the file's lines again), run on a small pool of their own instead,
-# FILES_UPLOAD_WORKERS at a time; the rest queue for it.
+# FILES_UPLOAD_WORKERS at a time; the rest queue for it (tenants.api.on_a_pool).
 _upload_pool = ThreadPoolExecutor(max_workers=settings.FILES_UPLOAD_WORKERS, thread_name_prefix="file-upload")
 
 
@@ -220,7 +220,7 @@ class AnyAccept(BaseContentNegotiation):
 
 # Downloads stream from the database a slice at a time, on a pool of their own, at most
 # FILES_MAX_CONCURRENT_DOWNLOADS of a tenant's at once in this process. Read whole
-# (bytes(file.content)), a 100 MiB file held the shared thread while the database sent it and
+# (bytes(file.content)), a 100 MiB file held a thread while the database sent it and
 # was held three times over (the row, the copy, Twisted's buffer for a client that reads
 # nothing): a tenant's few parallel downloads grew the web process by gigabytes. The server's
 # stream hook (config.daphne_hooks) holds a download to DOWNLOAD_BUFFER_BYTES unread and
@@ -347,8 +347,8 @@ class BatchList(TenantAPIView):
         return Response(_page(Batch.objects.filter(tenant=request.user), request, actions.batch_objects))
 
 
-files = off_the_shared_thread(FileList, _upload_pool, "upload")
-batch_list = off_the_shared_thread(BatchList, _upload_pool, "upload")
+files = on_a_pool(FileList, _upload_pool, "upload")
+batch_list = on_a_pool(BatchList, _upload_pool, "upload")
 
 
 class BatchDetail(TenantAPIView):

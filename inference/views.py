@@ -16,7 +16,7 @@ from inference import prompts, protocol
 from inference.catalog import served_models
 from inference.engine.api import InvalidRequestError
 from inference.host import EngineUnavailable, host
-from tenants.api import TenantAPIView, off_the_shared_thread
+from tenants.api import TenantAPIView, on_a_pool
 from tenants.errors import ApiError
 from tenants.models import Scope
 
@@ -171,5 +171,5 @@ def _engine():
 # burst of them: a files list waited for 96 of 100 tokenize calls sent before it. Two at a time
 # on a pool of their own; the tokenizer releases the GIL meanwhile.
 _tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-tokenize = off_the_shared_thread(Tokenize, _tokenizer_pool, "tokenizer")
-detokenize = off_the_shared_thread(Detokenize, _tokenizer_pool, "tokenizer")
+tokenize = on_a_pool(Tokenize, _tokenizer_pool, "tokenizer")
+detokenize = on_a_pool(Detokenize, _tokenizer_pool, "tokenizer")

@@ -1,4 +1,4 @@
-"""The base view for tenant-facing API endpoints, and serving one off Django's shared thread."""
+"""The base view for tenant-facing API endpoints, and serving one's heavy methods on a bounded pool."""
 from concurrent.futures import Executor
 from typing import Any
 
@@ -38,11 +38,13 @@ class TenantAPIView(APIView):
         return response
 
 
-def off_the_shared_thread(view_class: type[TenantAPIView], executor: Executor, pool: str, methods=("POST",)):
+def on_a_pool(view_class: type[TenantAPIView], executor: Executor, pool: str, methods=("POST",)):
     """`view_class` as an async view whose `methods` run on `executor`, the others as Django runs
-    sync views. Under ASGI Django runs every sync view on one shared thread: a view that works
-    for long there (parsing a file, tokenizing a long prompt) holds up every other tenant's
-    request to any sync view."""
+    sync views: under ASGI, each request's on a thread of its own (asgiref's per-request
+    ThreadSensitiveContext), as many at once as requests arrive, all sharing one GIL. A view
+    that works in Python for long (parsing a file, tokenizing a long prompt) then takes the
+    interpreter from every other request of the process for as many calls as a tenant sends
+    at once; on the pool, at most its size run and the rest wait their turn."""
     view = view_class.as_view()
 
     @csrf_exempt  # as DRF's own views: clients authenticate by key, not by cookie

@@ -155,8 +155,8 @@ def test_a_line_longer_than_a_request_body_is_refused_without_being_held_whole(s
 
 
 def test_uploads_and_batch_creation_are_served_off_the_thread_of_djangos_other_views():
-    # Under ASGI Django runs every sync view on one shared thread; an async view is not, and
-    # these two read a whole file's lines.
+    # Async views whose POSTs run on the upload pool (tenants.api.on_a_pool): these two read a
+    # whole file's lines, in Python, which in a thread per request took the GIL from everyone.
     assert asyncio.iscoroutinefunction(resolve("/v1/files").func)
     assert asyncio.iscoroutinefunction(resolve("/v1/batches").func)
 
