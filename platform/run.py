@@ -68,10 +68,23 @@ def ensure_admin(run_dir: Path) -> str:
             f"'.venv/bin/python manage.py changepassword {ADMIN_USERNAME}').")
 
 
+def read_env_file(path: Path) -> None:
+    """`.env`'s settings into the environment, as config/settings.py reads them (a variable
+    already in the environment wins). The launcher decides from PORT, REDIS_URL and
+    INTERNAL_API_TOKEN before Django starts: read by the settings alone, a `.env`'s REDIS_URL
+    got a Redis of the launcher's beside it, its INTERNAL_API_TOKEN a random token in its
+    place, and its PORT was not served."""
+    if path.is_file():
+        import environ
+
+        environ.Env.read_env(path)
+
+
 def begin() -> tuple[Path, list[str]]:
     """Into the checkout, the run folder made, the environment set: (run folder, processes)."""
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
+    read_env_file(ROOT / ".env")
     run_dir = Path(os.environ.get("RUN_DIR", ROOT / ".run")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, prepare_environment(run_dir)

@@ -142,3 +142,30 @@ def _a_batch_runs_through_the_worker(port: int, env: dict[str, str], team: str) 
         assert batch.status in ("in_progress", "finalizing") and time.monotonic() < deadline, batch
         time.sleep(0.5)
     assert batch.request_counts.completed == 3
+
+
+def test_the_launcher_takes_port_redis_and_token_from_dot_env_and_the_environment_over_it(tmp_path):
+    """`.env` is where the README sends an operator's settings; the launcher read only the
+    environment, so a `.env`'s REDIS_URL got a private Redis beside it (its batches and limits
+    in a Redis nobody else saw), its INTERNAL_API_TOKEN a random one and its PORT ignored.
+    The launcher runs from a copy beside a `.env` of the test's (it reads the one at its root)."""
+    (tmp_path / "platform").mkdir()
+    (tmp_path / "platform" / "run.py").write_bytes((ROOT / "platform" / "run.py").read_bytes())
+    (tmp_path / ".env").write_text("PORT=9123\nREDIS_URL=redis://127.0.0.1:6390/3\n"
+                                   "INTERNAL_API_TOKEN=the-operators-token\nWEB_BACKLOG=4096\n")
+    script = ("import json, os, sys\nsys.path.insert(0, 'platform')\nimport run\n_, processes = run.begin()\n"
+              "print(json.dumps({'processes': processes, **{k: os.environ.get(k) for k in "
+              "('WEB_PORT', 'REDIS_URL', 'INTERNAL_API_TOKEN', 'WEB_BACKLOG')}}))\n")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("PORT", "WEB_PORT", "REDIS_URL", "INTERNAL_API_TOKEN", "WEB_BACKLOG")}
+
+    def launcher_sees(**env: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={**clean, "RUN_DIR": str(tmp_path / "run"), **env})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert launcher_sees() == {"processes": ["web", "worker"], "WEB_PORT": "9123", "REDIS_URL": "redis://127.0.0.1:6390/3",
+                               "INTERNAL_API_TOKEN": "the-operators-token", "WEB_BACKLOG": "4096"}
+    given = launcher_sees(PORT="9200", INTERNAL_API_TOKEN="from-the-environment")
+    assert (given["WEB_PORT"], given["INTERNAL_API_TOKEN"]) == ("9200", "from-the-environment")
