@@ -17,6 +17,7 @@ from django.db import connection
 from django.db.models import Sum
 from django.db.models.functions import Substr
 from django.http import HttpResponse, StreamingHttpResponse
+from django.utils.http import content_disposition_header
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.negotiation import BaseContentNegotiation
@@ -254,13 +255,14 @@ def _slice(file_id: str, offset: int) -> bytes | None:
 
 
 class _Download:
-    """A file's content as an async iterator of slices, counted against its tenant's downloads."""
+    """A file's content as an async iterator of slices, counted against its holder's downloads
+    (a tenant, or a staff user of the console)."""
 
-    def __init__(self, file: File, tenant_id: int) -> None:
-        self.file_id, self.size, self.tenant_id, self.done = file.id, file.bytes, tenant_id, False
+    def __init__(self, file: File, holder: object) -> None:
+        self.file_id, self.size, self.holder, self.done = file.id, file.bytes, holder, False
         limit = settings.FILES_MAX_CONCURRENT_DOWNLOADS
         with _downloads_lock:
-            if sum(1 for d in list(_downloads) if d.tenant_id == tenant_id and not d.done) >= limit:
+            if sum(1 for d in list(_downloads) if d.holder == holder and not d.done) >= limit:
                 raise ApiError(429, f"This organization already has {limit} download(s) in progress; retry when "
                                     "one finishes.", type="requests", code="too_many_downloads",
                                headers={"Retry-After": "2"})
@@ -292,10 +294,16 @@ class FileContent(TenantAPIView):
         file = File.objects.filter(tenant=request.user, pk=file_id).defer("content").first()
         if file is None:
             raise _not_found("file", file_id)
-        response = StreamingHttpResponse(_Download(file, request.user.pk), content_type="application/jsonl")
-        response["Content-Length"] = str(file.bytes)
-        response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
-        return response
+        return streamed_file(file, request.user.pk)
+
+
+def streamed_file(file: File, holder: object) -> StreamingHttpResponse:
+    """`file` (its content deferred) as a download streamed a slice at a time, counted against
+    `holder`'s downloads in progress: ApiError 429 `too_many_downloads` past the limit."""
+    response = StreamingHttpResponse(_Download(file, holder), content_type="application/jsonl")
+    response["Content-Length"] = str(file.bytes)
+    response["Content-Disposition"] = content_disposition_header(True, file.filename)
+    return response
 
 
 def _batch_spec(request: Request) -> actions.BatchSpec:
