@@ -348,7 +348,7 @@ def main() -> None:
                 server = dataclasses.replace(server, url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}")
             stop_chars = server.django("from django.conf import settings\n"
                                        "result = getattr(settings, 'MAX_STOP_CHARS', 0)")
-            for _ in range(3):  # warm the kernels and the bystander's path
+            for _ in range(20):  # warm: the first requests after start ran up to 0.11 s (idle p99 0.05)
                 ttft(server, server.keys["bystander"])
             idle, idle_failed = probe(server, args.samples)
             rows = [("idle", idle, idle_failed, "")]

@@ -72,6 +72,16 @@ def _refusal(limit: int) -> bytes:
     return head + body
 
 
+def _count_refusal(path: bytes) -> None:
+    """In /metrics, as the application's own 413s are: no application sees this request."""
+    try:
+        from inference import http_metrics
+
+        http_metrics.count_response(http_metrics.endpoint_of_path(path.decode("latin-1")), 413, None)
+    except Exception:  # a metric is not worth a refusal
+        log.exception("counting a refused body failed")
+
+
 def install_body_limit(limit: int, paths: dict[str, int] | None = None) -> None:
     """Hook daphne's request class (once per process; a second call only changes the limits).
     `paths` maps exact request paths to their own limit (file uploads take more)."""
@@ -90,6 +100,7 @@ def install_body_limit(limit: int, paths: dict[str, int] | None = None) -> None:
         if transport is not None:
             transport.write(_refusal(request._body_limit))
             transport.loseConnection()
+            _count_refusal(getattr(request.channel, "_path", b""))
 
     def gotLength(self, length):
         self._body_seen = 0

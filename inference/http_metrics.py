@@ -21,8 +21,9 @@ counts each response as its status goes out. The layers below fill the `Seen` in
 `labelled_routes` for the Channels routes, `route_labels` (Django middleware) for Django's,
 `note_tenant` where a key or a service token names the tenant. An HTTP 429's kind is read from
 its body, which every path writes in the OpenAI error shape; a WebSocket's refusals are frames
-on an open socket, so the consumer counts them (`count_refusal`). Uploads that the upload gate
-refuses before the application sees them are counted there (`count_response`).
+on an open socket, so the consumer counts them (`count_refusal`). What is answered before the
+application sees the request is counted where it is answered (`count_response`): uploads the
+upload gate refuses, the flood gate's refusals, and bodies over the limit (config.daphne_hooks).
 """
 from __future__ import annotations
 
@@ -113,6 +114,23 @@ def count_refusal(error: ApiError) -> None:
 def count_response(endpoint: str, status: int, tenant_id: str | None) -> None:
     """A response written to the socket before the application saw the request."""
     RESPONSES.labels(endpoint=endpoint, status=str(status), tenant=tenant_id or NO_TENANT).inc()
+
+
+def endpoint_of_path(path: str) -> str:
+    """The `endpoint` label of a request answered before any application saw it: the pattern of
+    the route that would have served it (a streaming route's or Django's), else `unmatched`."""
+    from django.urls import Resolver404, resolve
+
+    from inference.routing import http_routes
+
+    bare = path.split("?", 1)[0]
+    for route in http_routes:
+        if route.pattern.match(bare.lstrip("/")):
+            return str(route.pattern)
+    try:
+        return resolve(bare).route or UNMATCHED
+    except Resolver404:
+        return UNMATCHED
 
 
 def _count_429_body(body: bytes) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -54,6 +55,23 @@ def chat(live: LiveServer, key: str, max_tokens: int = 4) -> requests.Response:
     return requests.post(live.url + "/v1/chat/completions", headers=bearer(key), timeout=TIMEOUT_S, json={
         "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True})
+
+
+def test_bodies_refused_at_the_servers_limit_are_counted(live: LiveServer):
+    """daphne's hook answers a body over the limit before any application sees the request
+    (config.daphne_hooks): those 413s never reached the counting layer, so a dashboard showed
+    no refused uploads however many there were."""
+    host, port = live.url.removeprefix("http://").split(":")
+    before = scrape(live)
+    for path in ("/v1/chat/completions", "/v1/files"):
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {10**12}\r\n\r\n".encode())
+            assert sock.recv(64).startswith(b"HTTP/1.1 413 "), path
+    after = scrape(live)
+    for endpoint in ("v1/chat/completions", "v1/files"):
+        labels = {"endpoint": endpoint, "status": "413", "tenant": "none"}
+        assert value(after, "llm_http_responses_total", **labels) - value(before, "llm_http_responses_total", **labels) == 1
 
 
 def test_responses_and_refusals_are_counted_by_route_status_tenant_and_kind(live: LiveServer):
