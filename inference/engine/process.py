@@ -142,10 +142,56 @@ class _CoreEngine(AsyncEngine):
                    dataclasses.replace(stats, lanes=dict(stats.lanes))))
 
 
+class _Compiles:
+    """Grammars compiled on a thread of their own, not the command thread: a 64 KiB JSON schema
+    (STRUCTURED_MAX_SCHEMA_BYTES) takes ~80 ms to compile (2-core Zen 3), and on the command
+    thread every tenant's submits, aborts and pauses queued behind a tenant's batch of them.
+    A request's add is posted when its grammar is compiled; an abort or pause for it that
+    arrives meanwhile is held and posted after the add, in the order the web process sent
+    them (an abort posted first would find nothing, and the request would then run unread)."""
+
+    def __init__(self, core: _CoreEngine) -> None:
+        self.core = core
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.lock = threading.Lock()
+        self.pending: dict[str, tuple[_RequestState, list]] = {}
+
+    def start(self, state: _RequestState, prompt, params, cache_salt, arrival) -> None:
+        with self.lock:
+            self.pending[state.request_id] = (state, [])
+        self.pool.submit(self._compile, state, prompt, params, cache_salt, arrival)
+
+    def hold(self, request_id: str, command: Callable[[_RequestState], object]) -> bool:
+        """Keep `command(state)` for after the add of a request whose grammar is compiling."""
+        with self.lock:
+            entry = self.pending.get(request_id)
+            if entry is None:
+                return False
+            entry[1].append(command(entry[0]))
+            return True
+
+    def _compile(self, state: _RequestState, prompt, params, cache_salt, arrival) -> None:
+        core, rid = self.core, state.request_id
+        try:
+            matcher, error = core.engine.grammars.matcher(params.grammar), None
+        except Exception as exc:  # the client's grammar (InvalidRequestError) or llguidance's failure
+            matcher, error = None, exc
+        with self.lock:
+            _, held = self.pending.pop(rid)
+            if error is not None:
+                core._settle(rid, error)
+                return
+            core.by_id[rid] = state
+            core._post(_Add(state, prompt, params, cache_salt, rid, matcher, arrival_time=arrival))
+            for command in held:
+                core._post(command)
+
+
 def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
     """The child's main thread: commands from the web process until it says stop or is gone,
     or the engine thread stops serving (its rebuild failed): then the process exits, and the
     web process starts another."""
+    compiles = _Compiles(core)
     while True:
         try:
             if not conn.poll(1.0):
@@ -169,22 +215,30 @@ def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
             if not core.is_ready():
                 core._settle(rid, EngineNotRunningError("the engine is not running"))
                 continue
+            state = _RequestState(rid, None, lane, tenant_id, submitted_at=core._clock(), pulled_at=core._clock())
             matcher = None
             if params is not None and params.grammar is not None and core.engine.grammars is not None:
-                try:  # here, not on the engine thread, whose every request would wait for it
-                    matcher = core.engine.grammars.matcher(params.grammar)
+                try:
+                    matcher = core.engine.grammars.cached(params.grammar)
                 except Exception as exc:
                     core._settle(rid, exc)
                     continue
-            state = _RequestState(rid, None, lane, tenant_id, submitted_at=core._clock(), pulled_at=core._clock())
+                if matcher is None:  # not on the engine thread either, whose every request would wait
+                    compiles.start(state, prompt, params, cache_salt, arrival)
+                    continue
             core.by_id[rid] = state
             core._post(_Add(state, prompt, params, cache_salt, rid, matcher, arrival_time=arrival))
         elif kind == "abort":
-            core._post(_Abort(command[1], None, command[2]))
+            rid, error = command[1], command[2]
+            if not compiles.hold(rid, lambda _state, rid=rid, error=error: _Abort(rid, None, error)):
+                core._post(_Abort(rid, None, error))
         elif kind == "pause":
-            state = core.by_id.get(command[1])
+            rid, paused = command[1], command[2]
+            if compiles.hold(rid, lambda state, paused=paused: _Pause(state, paused)):
+                continue
+            state = core.by_id.get(rid)
             if state is not None:
-                core._post(_Pause(state, command[2]))
+                core._post(_Pause(state, paused))
         elif kind == "render":
             core.send(("rendered", command[1], core.metrics.render() if core.metrics else b""))
         elif kind == "stop":
@@ -218,6 +272,10 @@ def main(argv: list[str]) -> int:
     bm = engine.block_manager
     core.send(("ready", {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                          "num_blocks": bm.num_blocks, "block_size": bm.block_size, "model_name": engine.model_name}))
+    if engine.grammars is not None:
+        # llguidance's tokenizer, built at the first structured request, took 0.33 s of the
+        # command thread (2-core Zen 3), where every tenant's submits queue: built now, beside it.
+        threading.Thread(target=engine.grammars.tokenizer, name="grammar-tokenizer", daemon=True).start()
     return _serve_commands(core, conn)
 
 

@@ -54,15 +54,22 @@ class Grammars:
                                                                eos_token=self._eos or None)
             return self._tokenizer
 
+    def cached(self, grammar: Grammar) -> llguidance.LLMatcher | None:
+        """A fresh copy of `grammar`'s compiled matcher if one is cached, else None (no compile)."""
+        with self._lock:
+            pristine = self._cache.get(grammar.key)
+            if pristine is None:
+                return None
+            self._cache.move_to_end(grammar.key)
+            return guarded(pristine.deep_copy)
+
     def matcher(self, grammar: Grammar) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar`: a copy of the cached compiled one, or a new compile (which
         releases the GIL: call it off the engine thread). Raises InvalidRequestError."""
+        copy = self.cached(grammar)
+        if copy is not None:
+            return copy
         key = grammar.key
-        with self._lock:
-            pristine = self._cache.get(key)
-            if pristine is not None:
-                self._cache.move_to_end(key)
-                return guarded(pristine.deep_copy)
         text = grammar_text(grammar)
         try:
             pristine = guarded(llguidance.LLMatcher, self.tokenizer(), text, log_level=0,

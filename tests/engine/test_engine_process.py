@@ -9,6 +9,7 @@ compared with an engine of the same settings in this process.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.engine.api import SamplingParams
+from inference.engine.api import Grammar, SamplingParams
 from inference.engine.async_engine import EngineNotRunningError
 from inference.engine.config import EngineConfig
 from inference.engine.errors import DuplicateRequestError, InvalidRequestError
@@ -110,6 +111,64 @@ def test_the_web_tiers_own_lanes_and_ids_reach_an_engine_without_django(engine_p
     tokens, final = run(_generate(engine_process, "django-lane", 4, lane=TierLane.BATCH))
     assert len(tokens) == 4 and final.finish_reason == "length"
     assert engine_process.stats().restarts == 0
+
+
+def large_schema(i: int, require_all: bool = False) -> Grammar:
+    """A JSON schema of ~60 KiB (the API takes up to 64), its own: none is compiled twice. With
+    every field required, a document takes thousands of tokens."""
+    fields = {f"f{i}_{j}": {"type": ["string", "integer", "array"], "items": {"type": "string", "pattern": f"[a-z]{{3,{5 + j % 50}}}"}}
+              for j in range(520)}
+    required = list(fields) if require_all else [f"f{i}_0"]
+    return Grammar(kind="json_schema", source=json.dumps({"type": "object", "properties": fields, "required": required}))
+
+
+def test_grammars_being_compiled_hold_up_no_other_request(engine_process):
+    """A large schema takes ~80 ms to compile; compiled on the engine process's command thread,
+    eight of them held every later submit, abort and pause of every tenant until all eight were
+    done. Here the plain request sent after them is submitted before the last of them."""
+    async def main():
+        order = []
+
+        async def submit(rid, params):
+            stream = await engine_process.submit(rid, [1, 2, 3], params)
+            order.append(rid)
+            return stream
+
+        schemas = [asyncio.create_task(submit(f"schema-{i}", SamplingParams(max_tokens=1, grammar=large_schema(i))))
+                   for i in range(8)]
+        await asyncio.sleep(0)  # each has sent its add
+        streams = [await submit("plain", greedy(1))]
+        streams += await asyncio.gather(*schemas)
+        for stream in streams:
+            await read_all(stream)
+        return order
+
+    order = run(main())
+    assert order.index("plain") < order.index("schema-7"), order
+    wait_until(lambda: engine_process.stats().in_flight == 0, "a request stayed in flight")
+
+
+def test_a_request_abandoned_while_its_grammar_compiles_never_runs(engine_process):
+    """Its abort reaches the engine process before its add can (the add waits for the compile):
+    the abort is held until the add is posted, and the request ends at once."""
+    async def main():
+        task = asyncio.create_task(engine_process.submit("abandoned", [1, 2, 3],
+                                                         SamplingParams(max_tokens=1000, grammar=large_schema(99, True))))
+        await asyncio.sleep(0.01)  # the add is sent, the compile under way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    before = engine_process.stats()
+    run(main())
+    # Its add waits for the compile (~0.4 s): in flight is 0 before it, and again after its abort.
+    wait_until(lambda: engine_process.stats().aborted_requests > before.aborted_requests, "the request was never ended")
+    wait_until(lambda: engine_process.stats().in_flight == 0 and engine_process.stats().blocks_used == 0,
+               "the abandoned request stayed in flight")
+    after = engine_process.stats()
+    assert after.aborted_requests - before.aborted_requests == 1
+    # At most the step its add and abort straddled; unread, it ran until the 2 s lease (dozens).
+    assert after.generated_tokens - before.generated_tokens <= 2
 
 
 def test_a_reader_silent_past_the_lease_is_aborted_with_the_reason(engine_process):
