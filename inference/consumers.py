@@ -28,7 +28,7 @@ from django import db
 from django.conf import settings
 
 from config import request_ids
-from inference import formatting, http_metrics, protocol
+from inference import formatting, grammar_checks, http_metrics, protocol
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
 from inference.host import host
@@ -228,7 +228,8 @@ class OpenAIConsumer(EngineHttpConsumer):
 
     async def respond(self, body: bytes) -> None:
         data = protocol.parse_body(body)
-        request = protocol.parse_chat(data) if self.kind == "chat" else protocol.parse_completion(data)
+        request = await grammar_checks.parse(protocol.parse_chat if self.kind == "chat" else protocol.parse_completion,
+                                             data, self.scope["tenant"].pk)
         # Every metered generation holds its slots, streamed or not: 12 plain requests under a
         # limit of 8 all ran when only streams counted.
         gen = Generation(request, self.caller(), hold_lease=self.metered,
@@ -282,7 +283,7 @@ class PlatformChatConsumer(EngineHttpConsumer):
     `X-Priority: 0|1|2` asks for a lane (never better than the tier's)."""
 
     async def respond(self, body: bytes) -> None:
-        request = protocol.parse_chat(protocol.parse_body(body))
+        request = await grammar_checks.parse(protocol.parse_chat, protocol.parse_body(body), self.scope["tenant"].pk)
         priority = self._priority_header()
         gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True, endpoint=self.scope["path"])
         try:

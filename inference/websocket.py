@@ -39,7 +39,7 @@ import time
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from inference import http_metrics, protocol, refusals
+from inference import grammar_checks, http_metrics, protocol, refusals
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
 from inference.streaming import engine_failure
@@ -239,7 +239,7 @@ class ChatSocketConsumer(NoSharedThreadDispatch, AsyncWebsocketConsumer):
             return
         tenant = self.caller.tenant
         try:
-            request = protocol.parse_chat(body)
+            request = await grammar_checks.parse(protocol.parse_chat, body, tenant.pk)
             if request.n != 1:
                 raise protocol.bad_request("WebSocket generations take n = 1; start several instead.", "n", "invalid_value")
             if not self.caller.api_key.allows(Scope.INFERENCE):  # its scopes may have changed since

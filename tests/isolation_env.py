@@ -53,6 +53,9 @@ TENANTS: dict[str, str] = {
     # tests/security/test_utility_endpoints.py: a flood of /tokenize, and another tenant's files list
     "tokenizer": "hostile-p1",
     "tokenizer-bystander": "hostile-p2",
+    # tests/security/test_grammar_checks.py: large JSON schemas, and a tenant streaming beside them
+    "schemas": "hostile-p1",
+    "schemas-bystander": "hostile-p1",
     # tests/reliability/test_connection_burst.py: 400 concurrent streams, under its 1000 slots
     "burst": "hostile-p1",
     # tests/security/test_generation_slots.py
