@@ -80,6 +80,15 @@ TEMPLATES = [
 ]
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+# How long a query waits for a lock another transaction holds before it fails (a request then
+# answers 503 with Retry-After; the usage ledger retries): SQLite's busy timeout, PostgreSQL's
+# lock_timeout. PostgreSQL waited forever: a request whose write met a row held by a stuck
+# transaction (an open psql session) held its thread and its client until the lock went.
+DATABASE_LOCK_TIMEOUT_S = env.float("DATABASE_LOCK_TIMEOUT_S", default=20.0)
+if DATABASES["default"]["ENGINE"] in ("django.db.backends.postgresql", "django.db.backends.postgresql_psycopg2"):
+    _pg_options = DATABASES["default"].setdefault("OPTIONS", {})
+    _pg_options["options"] = (f"{_pg_options.get('options', '')} "
+                              f"-c lock_timeout={int(DATABASE_LOCK_TIMEOUT_S * 1000)}").strip()
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # daphne and the Celery worker write to the same file: WAL lets readers run beside a
     # writer, IMMEDIATE takes the write lock up front instead of failing on upgrade.
@@ -87,7 +96,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # process loses nothing; a power cut may lose the last commits), which keeps each
     # writer's hold on the one write lock short while batch workers write beside daphne.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
-        {"timeout": 20, "transaction_mode": "IMMEDIATE",
+        {"timeout": DATABASE_LOCK_TIMEOUT_S, "transaction_mode": "IMMEDIATE",
          "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
     )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

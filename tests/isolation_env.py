@@ -53,6 +53,8 @@ TENANTS: dict[str, str] = {
     # tests/security/test_utility_endpoints.py: a flood of /tokenize, and another tenant's files list
     "tokenizer": "hostile-p1",
     "tokenizer-bystander": "hostile-p2",
+    # tests/reliability/test_admission_isolation.py: files whose rows another transaction holds
+    "lock-timeout": "hostile-p2",
     # tests/security/test_grammar_checks.py: large JSON schemas, and a tenant streaming beside them
     "schemas": "hostile-p1",
     "schemas-bystander": "hostile-p1",
@@ -116,8 +118,10 @@ ENV: dict[str, str] = {
     "WS_MAX_FRAMES_PER_S": "10",
     # tests/security/test_generation_slots.py: two requests of a tenant wait for a slot, no more
     "SLOT_WAITERS_PER_TENANT": "2",
-    # tests/reliability/test_admission_isolation.py: a stuck admission answers 503 in seconds
+    # tests/reliability/test_admission_isolation.py: a stuck admission answers 503 in seconds, and
+    # so does a write that meets a row another transaction holds
     "ADMISSION_TIMEOUT_S": "4",
+    "DATABASE_LOCK_TIMEOUT_S": "3",
     # tests/reliability/test_slots_after_redis_blip.py: slots (renewed every second) lapse after
     # a 3 s Redis outage
     "STREAM_LEASE_TTL_S": "3",

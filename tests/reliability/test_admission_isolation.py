@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from batches.models import File
+
 from tests.live import LiveServer
 
 ADMISSION_TIMEOUT_S = 4.0  # tests/isolation_env.py
@@ -36,6 +38,11 @@ def _chat(live: LiveServer, tenant: str, stream: bool = False) -> tuple[int, dic
     request = urllib.request.Request(live.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
                                      headers={"Authorization": f"Bearer {live.keys[tenant]}",
                                               "Content-Type": "application/json"})
+    return _send(request)
+
+
+def _send(request: urllib.request.Request) -> tuple[int, dict[str, str], bytes, float]:
+    """(status, headers, body, seconds) of a request."""
     started = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
@@ -100,9 +107,10 @@ def _metric(live: LiveServer, name: str) -> float:
 class _Lock:
     """Holds a database lock from another connection until released."""
 
-    def __init__(self, live: LiveServer, how: str, key: str | None = None) -> None:
+    def __init__(self, live: LiveServer, how: str, key: str | None = None, row: tuple[str, str] | None = None) -> None:
         self.url, self.how, self.live = live.env["DATABASE_URL"], how, live
         self.key = key or live.keys["locked"]  # PostgreSQL's "write": this key's row
+        self.row = row  # PostgreSQL's "row": (table, id) held FOR UPDATE; SQLite's is the write lock
         self.ready, self.release = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._hold, daemon=True)
 
@@ -137,6 +145,9 @@ class _Lock:
         with psycopg.connect(self.url.replace("postgres://", "postgresql://", 1)) as conn:
             if self.how == "unreadable":  # every read of the keys waits
                 conn.execute("LOCK TABLE tenants_apikey IN ACCESS EXCLUSIVE MODE")
+            elif self.how == "row":  # as an open psql session holding a row would
+                table, row_id = self.row
+                conn.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR UPDATE", (row_id,))
             else:  # the locked tenant's key row, as a long transaction elsewhere would hold it
                 prefix = self.key.split("_")[0].removeprefix("sk-")
                 conn.execute("SELECT 1 FROM tenants_apikey WHERE prefix = %s FOR UPDATE", (prefix,))
@@ -170,13 +181,8 @@ def test_a_locked_key_row_delays_neither_its_tenant_nor_another(hostile_live: Li
 
 
 def _get(live: LiveServer, path: str, key: str) -> tuple[int, bytes, float]:
-    request = urllib.request.Request(live.url + path, headers={"Authorization": f"Bearer {key}"})
-    started = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.read(), time.monotonic() - started
-    except urllib.error.HTTPError as err:
-        return err.code, err.read(), time.monotonic() - started
+    status, _, body, seconds = _send(urllib.request.Request(live.url + path, headers={"Authorization": f"Bearer {key}"}))
+    return status, body, seconds
 
 
 def test_a_held_write_lock_keeps_no_tenant_from_reading_its_own_files_batches_and_usage(hostile_live: LiveServer):
@@ -206,6 +212,40 @@ def test_a_held_write_lock_keeps_no_tenant_from_reading_its_own_files_batches_an
         result = ApiKey.objects.get(pk={key_id}).last_used is not None
     """)
     assert recorded, "the key's use is recorded once the lock is gone"
+
+
+def _upload(live: LiveServer, key: str) -> str:
+    boundary = "isolationboundary"
+    line = json.dumps({"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "Hi."}]}})
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{boundary}\r\n"
+            f"Content-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\nContent-Type: application/jsonl"
+            f"\r\n\r\n{line}\n\r\n--{boundary}--\r\n").encode()
+    request = urllib.request.Request(live.url + "/v1/files", data=body, method="POST", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["id"]
+
+
+def _delete(live: LiveServer, path: str, key: str) -> tuple[int, dict[str, str], bytes, float]:
+    return _send(urllib.request.Request(live.url + path, method="DELETE", headers={"Authorization": f"Bearer {key}"}))
+
+
+def test_a_write_that_meets_a_held_row_is_a_503_after_the_databases_lock_timeout(hostile_live: LiveServer):
+    """PostgreSQL had no lock timeout: deleting a file whose row another transaction held (an
+    operator's open psql session) waited as long as the lock did, its client and its thread with
+    it; SQLite waited its busy timeout, 20 s. Both now wait DATABASE_LOCK_TIMEOUT_S (3 s on this
+    server), then answer 503 with Retry-After; the file goes once the lock is gone."""
+    key = hostile_live.keys["lock-timeout"]
+    file_id = _upload(hostile_live, key)
+    with _Lock(hostile_live, "row", row=(File._meta.db_table, file_id)) as lock:
+        status, headers, body, seconds = _delete(hostile_live, f"/v1/files/{file_id}", key)
+        held = lock.thread.is_alive() and not lock.release.is_set()
+    assert held
+    _assert_openai_503(status, headers, body)
+    assert seconds < 15, "answered only after the lock was given up"  # it is held until answered
+    status, _, body, _ = _delete(hostile_live, f"/v1/files/{file_id}", key)
+    assert status == 200 and json.loads(body)["deleted"] is True, body[:300]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
