@@ -7,6 +7,9 @@ stopped every stream of every tenant of the process. Such a body is parsed on a 
 own instead (llguidance releases the GIL while it compiles: the loop's ticks kept under 14 ms
 beside it), and one tenant's are parsed one at a time, so its large schemas queue behind each
 other rather than in front of everyone else's. A body with neither is parsed where it is.
+Not on the admission pool (tenants.admission): its share of four calls per tenant is for
+waiting on the database and Redis; four of a tenant's checks at once took both cores, and
+another tenant's first token came after all sixteen of them (tests/security/test_grammar_checks.py).
 """
 from __future__ import annotations
 
