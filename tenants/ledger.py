@@ -224,8 +224,12 @@ class Ledger:
                 if more is not None:
                     batch.append(more)
             if batch:
-                with self._lock:
-                    os.fsync(self._file.fileno())
+                # Not under the lock: `submit` takes it on the event loop, which waited out every
+                # fsync (a disk's flush, 1-10 ms here, far longer on a busy or networked volume)
+                # with every tenant's streams. The batch's lines were flushed before they were
+                # queued, so an fsync begun now covers them; lines written meanwhile are the next
+                # batch's to cover.
+                os.fsync(self._file.fileno())
             for start in range(0, len(batch), APPLY_BATCH):
                 self._apply_batch(actions, batch[start:start + APPLY_BATCH], waiting)
             self._retry(actions, waiting)

@@ -274,3 +274,35 @@ def test_usage_refused_for_a_day_is_counted_for_the_operator_and_written_by_the_
         from inference import http_metrics
         result = http_metrics.render().decode()
     """, env)
+
+
+_SLOW_DISK = """
+import django, json, sys, threading
+django.setup()
+from tenants import ledger as module
+from tenants.ledger import UsageEntry, ledger
+real_fsync, started, release, done = module.os.fsync, threading.Event(), threading.Event(), threading.Event()
+def slow_fsync(fd):  # a disk whose flush takes until the test lets it go (10 s at most)
+    started.set()
+    release.wait(10)
+    real_fsync(fd)
+    done.set()
+module.os.fsync = slow_fsync
+common = dict(tenant_id=int(sys.argv[1]), lane=1, created="2030-01-15T10:00:00+00:00", prompt_tokens=3)
+ledger().submit(UsageEntry(op="open", key="gen-1", request_id="gen-1", **common))
+started.wait(10)  # the ledger's thread is in the journal's fsync
+ledger().submit(UsageEntry(op="open", key="gen-2", request_id="gen-2", **common))
+print(json.dumps({"flush_still_running": started.is_set() and not done.is_set()}))
+release.set()
+"""
+
+
+def test_journaling_an_entry_does_not_wait_for_the_disk_to_flush_the_journal(tmp_path: Path):
+    """`submit` runs on the web process's event loop (a generation's usage row opens and closes
+    there); it held the journal's lock while the ledger's thread fsync'ed under it, so a slow
+    disk stopped every tenant's streams for each flush."""
+    env, _, tenant_id = _blocked_database(tmp_path, "slow-disk")
+    writer = _python(_SLOW_DISK, env, str(tenant_id))
+    out, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"flush_still_running": True}
