@@ -13,7 +13,7 @@ from django.conf import settings  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
 from batches import upload_gate  # noqa: E402
-from config import daphne_hooks  # noqa: E402
+from config import daphne_hooks, intake  # noqa: E402
 from config.request_ids import RequestIdMiddleware  # noqa: E402
 from console.routing import console_routes  # noqa: E402
 from inference import drain, fleet  # noqa: E402
@@ -31,6 +31,7 @@ daphne_hooks.enlarge_body_messages()
 daphne_hooks.name_status_codes()
 daphne_hooks.abort_after_late_errors()  # a view raising mid-stream: the client sees the cut, daphne keeps checking
 daphne_hooks.pace_accepts(settings.ACCEPTS_PER_TURN)
+intake.install(settings.INTAKE_TURN_MS)  # new connections' requests parsed in turns per caller
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).
 daphne_hooks.install_stream_backpressure(settings.STREAM_MAX_BUFFERED_BYTES, settings.STREAM_STALL_S)
 upload_gate.install()  # POST /v1/files: the key is checked before the body is read

@@ -370,7 +370,9 @@ def pace_accepts(per_turn: int) -> None:
     running stream (the engine's token to its SSE event to the socket) waited behind one: the
     bystander's first token left the engine in 33-57 ms and reached its client 80-140 ms
     later. Paced, the burst waits in the listen backlog (raised for it) and is served between
-    the streams' hops; the same work, interleaved."""
+    the streams' hops; the same work, interleaved. With config.intake an accepted connection's
+    request is parsed in its caller's turn, not in the accepting one, so the pace is 64 a turn
+    (~5 ms of accepting) rather than 8."""
     from twisted.internet import tcp
 
     if getattr(tcp.Port, "_paced", False):

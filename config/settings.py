@@ -304,9 +304,13 @@ STREAM_MAX_BUFFERED_BYTES = env.int("STREAM_MAX_BUFFERED_BYTES", default=64 * 10
 # generation is aborted, its KV blocks freed and its tokens billed. 45 s is seed 000's zombie
 # purge, three of its 15 s heartbeats.
 STREAM_STALL_S = env.float("STREAM_STALL_S", default=45.0)
-# Connections daphne accepts per turn of its event loop (config.daphne_hooks.pace_accepts):
-# a burst is served between running streams' hops instead of ahead of them.
-ACCEPTS_PER_TURN = env.int("ACCEPTS_PER_TURN", default=8)
+# Connections daphne accepts per turn of its event loop (config.daphne_hooks.pace_accepts): an
+# accepted connection's request waits for its caller's turn (INTAKE_TURN_MS), so an accept costs
+# little and a request queued behind a burst is reached within a few turns (~85 us an accept).
+ACCEPTS_PER_TURN = env.int("ACCEPTS_PER_TURN", default=64)
+# Milliseconds of each turn of the event loop spent parsing new connections' first requests,
+# taken one caller after another (config.intake; 0: parse each as it is read, in arrival order).
+INTAKE_TURN_MS = env.float("INTAKE_TURN_MS", default=0.5)
 # A stream's choices pause in the engine (keeping their blocks, computing nothing) once this many
 # tokens per choice wait behind a client that stopped taking them, and resume when it takes them
 # (0: never pause). 64 tokens is ~2 s of a busy CPU batch: a client that reads at all never waits

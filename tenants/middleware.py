@@ -90,6 +90,19 @@ def _known(header: str | None) -> tuple[keys.ParsedKey | None, _Known | None]:
     return parsed, (_known_keys.get(parsed.prefix) if parsed else None)
 
 
+def intake_caller(token: str) -> str:
+    """The caller a presented key's request queues as at config.intake: its tenant's where the
+    key authenticated here before and the secret matches (a forged prefix does not queue
+    among the tenant's own requests), else the key's prefix."""
+    parsed = keys.parse(token)
+    if parsed is None:
+        return "key:?"
+    known = _known_keys.get(parsed.prefix)
+    if known is not None and keys.matches(parsed.plaintext, known.digest):
+        return known.caller
+    return f"key:{parsed.prefix}"
+
+
 async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     """Key and requests/min, on the admission pool as the key's tenant when the key is known,
     else as its public prefix; every refusal or failure is an ApiError."""
