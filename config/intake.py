@@ -6,7 +6,7 @@ read. A tenant's burst of connections that landed just before another tenant's r
 parsed, gated and answered before that request was looked at: of 300 refused requests sent
 just before another caller's, all 300 were answered first (tests/reliability/test_intake.py).
 Here a new connection's first bytes are held under the caller they name (the tenant of a key
-this process has seen, else the key's public prefix, else the peer's address), and each turn
+that authenticated in this process before, else the peer's address), and each turn
 of the event loop hands held connections to the parser, one caller after another, for up to
 INTAKE_TURN_MS: the other caller's request was answered after 2 of the 300.
 
@@ -40,12 +40,12 @@ HELD_BYTES = 64 * 1024
 
 
 def caller_of(head: bytes, peer: str) -> str:
-    """Whom a request's first bytes speak for: its key's tenant where this process knows the
-    key, else the key's prefix, else the peer's address (no key yet, or none in the bytes)."""
+    """Whom a request's first bytes speak for: its key's tenant where the key authenticated in
+    this process before, else its peer's address (no key, one not seen yet, a made-up one: a
+    queue per key would let a flood of made-up keys take a turn each)."""
     found = _BEARER.search(head)
-    if found is None:
-        return "peer:" + peer
-    return middleware.intake_caller(found.group(1).decode("ascii"))
+    caller = middleware.known_caller(found.group(1).decode("ascii")) if found else None
+    return caller or "peer:" + peer
 
 
 class Intake:

@@ -90,17 +90,13 @@ def _known(header: str | None) -> tuple[keys.ParsedKey | None, _Known | None]:
     return parsed, (_known_keys.get(parsed.prefix) if parsed else None)
 
 
-def intake_caller(token: str) -> str:
-    """The caller a presented key's request queues as at config.intake: its tenant's where the
-    key authenticated here before and the secret matches (a forged prefix does not queue
-    among the tenant's own requests), else the key's prefix."""
+def known_caller(token: str) -> str | None:
+    """The caller of the tenant whose key this is, where the key authenticated in this process
+    before and the secret matches; else None (config.intake then queues it by its peer: a
+    flood of made-up keys must not get a queue per key)."""
     parsed = keys.parse(token)
-    if parsed is None:
-        return "key:?"
-    known = _known_keys.get(parsed.prefix)
-    if known is not None and keys.matches(parsed.plaintext, known.digest):
-        return known.caller
-    return f"key:{parsed.prefix}"
+    known = _known_keys.get(parsed.prefix) if parsed else None
+    return known.caller if known is not None and keys.matches(parsed.plaintext, known.digest) else None
 
 
 async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:

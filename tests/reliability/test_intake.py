@@ -20,14 +20,16 @@ def _send(sock: socket.socket, wire: bytes) -> socket.socket:
 def test_another_callers_request_is_answered_among_the_first_of_a_burst_that_arrived_before_it(hostile_live):
     address = host_port(hostile_live.url)
     body = chat_body(2, content="Hi.")
-    # Every request is refused by the flood gate with a 401, so the server's answers come in the
-    # order it parses them: the burst has no key (one caller, its peer address), the other
-    # request a malformed one (a caller of its own).
+    # Every request is refused by the flood gate with a 401 (no key, or made-up ones), so the
+    # server's answers come in the order it parses them. Keys the process has not seen
+    # authenticate queue by their peer: the burst from 127.0.0.1, the other from 127.0.0.2.
     # Connected first, then written within a few milliseconds: the burst's requests arrive
     # together however fast the server accepts.
     connected = [socket.create_connection(address, timeout=30) for _ in range(BURST)]
-    burst = [_send(sock, request_bytes(hostile_live.url, OPENAI_CHAT, "", body)) for sock in connected]
-    other = _send(socket.create_connection(address, timeout=30), request_bytes(hostile_live.url, OPENAI_CHAT, "not-a-key", body))
+    keys = [f"made-up-{i}" for i in range(BURST)]
+    burst = [_send(sock, request_bytes(hostile_live.url, OPENAI_CHAT, key, body)) for sock, key in zip(connected, keys)]
+    other = _send(socket.create_connection(address, timeout=30, source_address=("127.0.0.2", 0)),
+                  request_bytes(hostile_live.url, OPENAI_CHAT, "", body))
     order, heads = [], {}
     with selectors.DefaultSelector() as selector:
         for sock in [*burst, other]:
