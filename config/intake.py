@@ -13,9 +13,10 @@ INTAKE_TURN_MS: the other caller's request was answered after 2 of the 300.
 Accepting is then cheap (no parsing in the accepting turn), so daphne accepts more a turn
 (ACCEPTS_PER_TURN 64, not 8) and reaches a request queued behind a burst sooner. Another
 tenant's first token under a 400-connection burst sent in ~12 ms, 2-core Zen 4, 25 bursts:
-p50 0.18-0.19 s, p99 0.24-0.33 s before (8 accepts a turn, no intake); 0.13-0.15 s and
-0.16-0.23 s with both (docs/benchmarks.md). What is left is the burst's work itself (~0.2 s of
-the event loop), which every hop of the request waits among.
+p50 0.18-0.19 s, p99 0.24-0.33 s before (8 accepts a turn, no intake); with both, 0.12 s and
+0.15-0.16 s at 0.2 ms a turn, 0.13-0.15 s and 0.16-0.23 s at 0.5, 0.13 and 0.17 at 0.05 (one
+request a turn), 0.19 and 0.23-0.24 at 2 (docs/benchmarks.md). What is left is the burst's
+work itself (~0.2 s of the event loop), which every hop of the request waits among.
 
 Only a connection's first bytes are held: a kept-alive connection's next request and a
 WebSocket's frames go straight to their protocol.

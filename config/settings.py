@@ -310,7 +310,7 @@ STREAM_STALL_S = env.float("STREAM_STALL_S", default=45.0)
 ACCEPTS_PER_TURN = env.int("ACCEPTS_PER_TURN", default=64)
 # Milliseconds of each turn of the event loop spent parsing new connections' first requests,
 # taken one caller after another (config.intake; 0: parse each as it is read, in arrival order).
-INTAKE_TURN_MS = env.float("INTAKE_TURN_MS", default=0.5)
+INTAKE_TURN_MS = env.float("INTAKE_TURN_MS", default=0.2)
 # A stream's choices pause in the engine (keeping their blocks, computing nothing) once this many
 # tokens per choice wait behind a client that stopped taking them, and resume when it takes them
 # (0: never pause). 64 tokens is ~2 s of a busy CPU batch: a client that reads at all never waits
