@@ -33,7 +33,7 @@ from tenants import middleware
 
 log = logging.getLogger(__name__)
 
-_BEARER = re.compile(rb"\r\nauthorization:[ \t]*bearer[ \t]+([!-~]+)", re.IGNORECASE)
+_AUTHORIZATION = re.compile(rb"\r\nauthorization:[ \t]*([^\r\n]*)", re.IGNORECASE)
 _RELEASED, _LOST = object(), object()
 # Past this many bytes held for one connection, its socket is not read until its turn: what a
 # client sends meanwhile waits in the kernel's buffers, not in this process.
@@ -44,8 +44,8 @@ def caller_of(head: bytes, peer: str) -> str:
     """Whom a request's first bytes speak for: its key's tenant where the key authenticated in
     this process before, else its peer's address (no key, one not seen yet, a made-up one: a
     queue per key would let a flood of made-up keys take a turn each)."""
-    found = _BEARER.search(head)
-    caller = middleware.known_caller(found.group(1).decode("ascii")) if found else None
+    found = _AUTHORIZATION.search(head)
+    caller = middleware.known_caller(found.group(1).decode("latin-1")) if found else None
     return caller or "peer:" + peer
 
 

@@ -90,13 +90,12 @@ def _known(header: str | None) -> tuple[keys.ParsedKey | None, _Known | None]:
     return parsed, (_known_keys.get(parsed.prefix) if parsed else None)
 
 
-def known_caller(token: str) -> str | None:
-    """The caller of the tenant whose key this is, where the key authenticated in this process
-    before and the secret matches; else None (config.intake then queues it by its peer: a
-    flood of made-up keys must not get a queue per key)."""
-    parsed = keys.parse(token)
-    known = _known_keys.get(parsed.prefix) if parsed else None
-    return known.caller if known is not None and keys.matches(parsed.plaintext, known.digest) else None
+def known_caller(header: str) -> str | None:
+    """The caller of the tenant whose key the Authorization header carries, where the key
+    authenticated in this process before and the secret matches; else None (config.intake then
+    queues it by its peer: a flood of made-up keys must not get a queue per key)."""
+    known = _verified(header)
+    return known.caller if known is not None else None
 
 
 async def authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
