@@ -16,6 +16,8 @@ then again during each attack:
   400 burst      400 concurrent streamed chats from the attacker, opened and written one after
                  another by a process of its own (all out in ~12 ms), max_tokens 4, once per
                  bystander request, which starts as they connect
+  400 GETs       the same with GET /v1/models: a sync view, a thread of its own per request
+                 (INTAKE_PENDING_PER_CALLER bounds how many of a tenant's run at once)
 
 Target: the bystander's p99 within 2x its idle p99 on every row. In the Redis stall row
 admission misses Redis's deadline (LIMITS_REDIS_TIMEOUT_S) once per pause and the process
@@ -232,8 +234,8 @@ def db_lock(server: LiveServer, stop: threading.Event, outcome: dict) -> list[th
         post(server, "/v1/chat/completions", body, headers)), stop)]
 
 
-def _burst_sockets(url: str, key: str, count: int) -> tuple[list[int], dict]:
-    """`count` streamed chats on as many connections, each one's status (0: no answer), and
+def _burst_sockets(url: str, wire: bytes, count: int) -> tuple[list[int], dict]:
+    """`count` requests (`wire`) on as many connections, each one's status (0: no answer), and
     what the client spent: the seconds from the first connect to the last request sent, and its
     CPU seconds. A load generator's loop, as wrk or h2load run one: each connection opened and
     its request written in turn (on loopback the kernel completes the handshake without the
@@ -243,7 +245,6 @@ def _burst_sockets(url: str, key: str, count: int) -> tuple[list[int], dict]:
     same server, 30 bursts each, interleaved, gave the bystander a first token at p50 0.050 s
     behind it and 0.163 s behind this one."""
     host, port = url.removeprefix("http://").split(":")
-    wire = request_bytes(url, "/v1/chat/completions", key, chat("Hi.", 4))
     cpu, start = time.process_time(), time.monotonic()
     heads: dict[socket.socket, bytes] = {}
     failed = 0
@@ -291,21 +292,31 @@ def _burst_sockets(url: str, key: str, count: int) -> tuple[list[int], dict]:
 ATTACKER_NICE = [0]
 
 
-def _burst_process(url: str, key: str, count: int, statuses, spent, fired, nice: int) -> None:
+def _burst_process(url: str, wire: bytes, count: int, statuses, spent, fired, nice: int) -> None:
     os.nice(nice)
     fired.set()
-    done, costs = _burst_sockets(url, key, count)
+    done, costs = _burst_sockets(url, wire, count)
     statuses.extend(done)
     spent.update(costs)
 
 
-def burst(server: LiveServer, stop: threading.Event, outcome: dict) -> list[threading.Thread]:
+def _chats(server: LiveServer) -> bytes:
+    return request_bytes(server.url, "/v1/chat/completions", server.keys["attacker"], chat("Hi.", 4))
+
+
+def _gets(server: LiveServer) -> bytes:
+    host = server.url.removeprefix("http://")
+    return (f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {server.keys['attacker']}\r\n"
+            "Connection: close\r\n\r\n").encode()
+
+
+def burst(server: LiveServer, stop: threading.Event, outcome: dict, wire=_chats) -> list[threading.Thread]:
     # From a process of its own, on one event loop: 400 client threads in this process took the
     # GIL from the bystander's client and inflated its times (p99 0.34 s, half of it here).
     manager = multiprocessing.Manager()
     statuses, spent, fired = manager.list(), manager.dict(), manager.Event()
-    child = multiprocessing.Process(target=_burst_process, args=(server.url, server.keys["attacker"], 400, statuses, spent,
-                                                                 fired, ATTACKER_NICE[0]))
+    child = multiprocessing.Process(target=_burst_process, args=(server.url, wire(server), 400, statuses, spent, fired,
+                                                                 ATTACKER_NICE[0]))
     child.start()
     fired.wait(30)
 
@@ -319,7 +330,7 @@ def burst(server: LiveServer, stop: threading.Event, outcome: dict) -> list[thre
     return [thread]
 
 
-def bursts(server: LiveServer, samples: int) -> tuple[list[float], int, dict]:
+def bursts(server: LiveServer, samples: int, wire=_chats) -> tuple[list[float], int, dict]:
     """A burst per bystander sample, the sample sent as the burst's connections open, and the
     server idle again before the next: every sample meets a burst. One burst under `samples`
     sequential requests met 1-2 of 40 (a burst is over in about a second), so its p99 was one
@@ -327,7 +338,7 @@ def bursts(server: LiveServer, samples: int) -> tuple[list[float], int, dict]:
     times, failed, statuses, sent, cpu = [], 0, [], [], []
     for _ in range(samples):
         outcome: dict = {}
-        threads = burst(server, threading.Event(), outcome)
+        threads = burst(server, threading.Event(), outcome, wire)
         t = ttft(server, server.keys["bystander"])
         if t is None:
             failed += 1
@@ -349,11 +360,11 @@ def bursts(server: LiveServer, samples: int) -> tuple[list[float], int, dict]:
 
 
 # Rows whose attack is fired once per sample, the sample taken inside it.
-PER_SAMPLE = {"400 burst": bursts}
+PER_SAMPLE = {"400 burst": bursts, "400 GETs": lambda server, samples: bursts(server, samples, _gets)}
 
 ATTACKS = [("long stops", long_stops), ("n fan-out", fan_out), ("blank file", blank_file),
            ("stalled readers", stalled_readers), ("Redis stall", redis_stall), ("DB lock", db_lock),
-           ("400 burst", burst)]
+           ("400 burst", None), ("400 GETs", None)]  # None: fired once per sample (PER_SAMPLE)
 
 
 def summary(outcome: dict) -> str:

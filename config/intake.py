@@ -18,8 +18,24 @@ p50 0.18-0.19 s, p99 0.24-0.33 s before (8 accepts a turn, no intake); with both
 request a turn), 0.19 and 0.23-0.24 at 2 (docs/benchmarks.md). What is left is the burst's
 work itself (~0.2 s of the event loop), which every hop of the request waits among.
 
-Only a connection's first bytes are held: a kept-alive connection's next request and a
-WebSocket's frames go straight to their protocol.
+Every request is held, a kept-alive connection's next one too (behind nginx, which keeps 64
+connections to daphne alive, a burst's requests reused them and skipped the queue); a
+WebSocket's frames, once upgraded, go straight to their protocol.
+
+A tenant also has at most INTAKE_PENDING_PER_CALLER requests parsed and not yet answered; its
+next ones stay held until one is. Django runs each request of a sync view (models, files,
+batches, usage, the console) on a thread of its own, as many at once as arrive: 400 parallel
+GETs of /v1/models from one tenant peaked at 136-144 threads taking the interpreter in turns,
+and another tenant's GET meanwhile took 0.48-0.53 s; with a bound of 16, 24-27 threads and
+0.13 s, and the 400 were all answered sooner (1.7-1.9 s, not 2.4-2.8; 2-core Sapphire Rapids
+Xeon). Another tenant's first token under that burst, p50 / p99: 0.191 / 0.231 s without the
+bound, 0.118 / 0.147 with it (bench/isolation.py, "400 GETs"; idle 0.032 / 0.055). Generation requests and WebSocket upgrades leave this count as they reach the flood
+gate (tenants.flood_gate: the tenant's generations in flight are bounded there) and their
+consumer. Callers known by address only (no key, or one not yet seen to authenticate here)
+are not bounded: behind nginx they are all one address, and a tenant's first requests after a
+restart would wait behind a stranger's slow ones; their keys are checked on the admission pool,
+half of it at most a caller. Probes (/healthz, /readyz, /metrics) queue as a caller of their
+own, so a flood of one address never delays a load balancer's checks.
 """
 from __future__ import annotations
 
@@ -38,28 +54,64 @@ _RELEASED, _LOST = object(), object()
 # Past this many bytes held for one connection, its socket is not read until its turn: what a
 # client sends meanwhile waits in the kernel's buffers, not in this process.
 HELD_BYTES = 64 * 1024
+_PROBES = re.compile(rb"GET /(?:healthz|readyz|metrics)[ ?]")
+_UNBOUNDED = ("peer:", "probes")  # callers INTAKE_PENDING_PER_CALLER does not apply to
 
 
 def caller_of(head: bytes, peer: str) -> str:
-    """Whom a request's first bytes speak for: its key's tenant where the key authenticated in
-    this process before, else its peer's address (no key, one not seen yet, a made-up one: a
-    queue per key would let a flood of made-up keys take a turn each)."""
+    """Whom a request's first bytes speak for: the probes, its key's tenant where the key
+    authenticated in this process before, else its peer's address (no key, one not seen yet, a
+    made-up one: a queue per key would let a flood of made-up keys take a turn each)."""
+    if _PROBES.match(head):
+        return "probes"
     found = _AUTHORIZATION.search(head)
     caller = middleware.known_caller(found.group(1).decode("latin-1")) if found else None
     return caller or "peer:" + peer
 
 
 class Intake:
-    def __init__(self, turn_s: float, parse) -> None:
+    def __init__(self, turn_s: float, parse, pending_per_caller: int = 0) -> None:
         self.turn_s = turn_s
         self.parse = parse  # HTTPChannel.dataReceived as Twisted defines it
-        self.waiting: OrderedDict[str, deque] = OrderedDict()
+        self.bound = pending_per_caller  # 0: no bound
+        self.waiting: OrderedDict[str, deque] = OrderedDict()  # callers whose turn may come
+        self.parked: dict[str, deque] = {}  # callers at their bound of unanswered requests
+        self.pending: dict[str, int] = {}  # caller -> its requests parsed and not yet answered
         self.scheduled = False
 
     def hold(self, channel, data: bytes) -> None:
         channel._intake = bytearray(data)
         peer = getattr(channel.transport.getPeer(), "host", "")
-        self.waiting.setdefault(caller_of(data, peer), deque()).append(channel)
+        caller = caller_of(data, peer)
+        parked = self.parked.get(caller)
+        if parked is not None:
+            parked.append(channel)
+            return
+        self.waiting.setdefault(caller, deque()).append(channel)
+        self._schedule()
+
+    def settle(self, channel) -> None:
+        """`channel`'s request is answered, or handed to a bound of its own: its caller's next
+        held request may be parsed."""
+        caller = channel.__dict__.pop("_intake_caller", None) if channel is not None else None
+        if caller is None:
+            return
+        left = self.pending[caller] - 1
+        if left:
+            self.pending[caller] = left
+        else:
+            del self.pending[caller]
+        queue = self.parked.pop(caller, None)
+        if queue is not None:
+            self.waiting[caller] = queue
+            self._schedule()
+
+    def _full(self, caller: str) -> bool:
+        # Only a tenant's requests: one address behind nginx is every client's, and a key's
+        # first requests, queued by address, must not wait for a stranger's slow ones there.
+        return 0 < self.bound <= self.pending.get(caller, 0) and not caller.startswith(_UNBOUNDED)
+
+    def _schedule(self) -> None:
         if not self.scheduled:
             self.scheduled = True
             asyncio.get_running_loop().call_soon(self.turn)
@@ -69,6 +121,9 @@ class Intake:
         until = time.monotonic() + self.turn_s
         while self.waiting:
             caller, queue = next(iter(self.waiting.items()))
+            if self._full(caller):  # held until one of its requests is answered (settle)
+                self.parked[caller] = self.waiting.pop(caller)
+                continue
             channel = queue.popleft()
             if queue:
                 self.waiting.move_to_end(caller)
@@ -77,6 +132,8 @@ class Intake:
             data, channel._intake = channel._intake, _RELEASED
             if data is _LOST:
                 continue
+            channel._intake_caller = caller
+            self.pending[caller] = self.pending.get(caller, 0) + 1
             if len(data) > HELD_BYTES:
                 channel.transport.resumeProducing()
             try:
@@ -87,18 +144,30 @@ class Intake:
             if time.monotonic() >= until:
                 break
         if self.waiting:
-            self.scheduled = True
-            asyncio.get_running_loop().call_soon(self.turn)
+            self._schedule()
 
 
-def install(turn_ms: float) -> None:
-    """Hook Twisted's HTTP channel (once per process); turn_ms 0 leaves it as it is."""
+_installed: list[Intake] = []
+
+
+def settle(channel) -> None:
+    """`channel`'s request no longer counts against its caller's bound (see Intake.settle)."""
+    if _installed:
+        _installed[0].settle(channel)
+
+
+def install(turn_ms: float, pending_per_caller: int = 0) -> None:
+    """Hook Twisted's HTTP channel and daphne's request (once per process); turn_ms 0 leaves
+    them as they are."""
+    from daphne.http_protocol import WebRequest
     from twisted.web.http import HTTPChannel
 
     if turn_ms <= 0 or getattr(HTTPChannel, "_intake_installed", False):
         return
-    intake = Intake(turn_ms / 1000, HTTPChannel.dataReceived)
-    parse, lost = HTTPChannel.dataReceived, HTTPChannel.connectionLost
+    intake = Intake(turn_ms / 1000, HTTPChannel.dataReceived, pending_per_caller)
+    _installed.append(intake)
+    parse, lost, done = HTTPChannel.dataReceived, HTTPChannel.connectionLost, HTTPChannel.requestDone
+    process, reply = WebRequest.process, WebRequest.handle_reply
 
     def data_received(self, data):
         held = self.__dict__.get("_intake")
@@ -113,8 +182,30 @@ def install(turn_ms: float) -> None:
     def connection_lost(self, reason):
         if self.__dict__.get("_intake") is not _RELEASED:
             self._intake = _LOST
+        intake.settle(self)
         return lost(self, reason)
+
+    def request_done(self, request):
+        intake.settle(self)
+        if self.persistent:
+            # The next request (Twisted hands on what it buffered meanwhile) waits for its turn.
+            self._intake = None
+        return done(self, request)
+
+    def process_request(self):
+        upgrade = self.requestHeaders.getRawHeaders(b"upgrade") or [b""]
+        if upgrade[0].lower() == b"websocket":
+            intake.settle(self.channel)  # sockets per key are bounded by the consumer
+        return process(self)
+
+    def handle_reply(self, message):
+        if message.get("type") == "http.response.start":
+            intake.settle(self.channel)
+        return reply(self, message)
 
     HTTPChannel.dataReceived = data_received
     HTTPChannel.connectionLost = connection_lost
+    HTTPChannel.requestDone = request_done
+    WebRequest.process = process_request
+    WebRequest.handle_reply = handle_reply
     HTTPChannel._intake_installed = True

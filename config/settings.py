@@ -311,6 +311,10 @@ ACCEPTS_PER_TURN = env.int("ACCEPTS_PER_TURN", default=64)
 # Milliseconds of each turn of the event loop spent parsing new connections' first requests,
 # taken one caller after another (config.intake; 0: parse each as it is read, in arrival order).
 INTAKE_TURN_MS = env.float("INTAKE_TURN_MS", default=0.2)
+# Requests of one caller parsed and not yet answered, past which its next ones wait unparsed
+# (config.intake; 0: no bound). Sync views run a thread per request: this bounds a tenant's
+# threads. Generation requests leave the count at the flood gate, which bounds them by tier.
+INTAKE_PENDING_PER_CALLER = env.int("INTAKE_PENDING_PER_CALLER", default=16)
 # A stream's choices pause in the engine (keeping their blocks, computing nothing) once this many
 # tokens per choice wait behind a client that stopped taking them, and resume when it takes them
 # (0: never pause). 64 tokens is ~2 s of a busy CPU batch: a client that reads at all never waits

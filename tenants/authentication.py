@@ -96,6 +96,11 @@ class ApiKeyAuthentication(BaseAuthentication):
             return None  # IsAuthenticated then answers 401 missing_api_key
         api_key = authenticate_bearer(header)
         actions.mark_key_used(api_key, timezone.now())
+        # Known from now on, on every path: config.intake queues and bounds the key's requests
+        # as its tenant's, not by address. (tenants.middleware imports this module.)
+        from tenants import middleware
+
+        middleware.remember(api_key)
         return api_key.tenant, api_key
 
     def authenticate_header(self, request: Request) -> str:

@@ -21,6 +21,7 @@ import json
 import uuid
 from http import HTTPStatus
 
+from config import intake
 from config.request_ids import _SANE
 from inference import http_metrics, refusals
 from tenants import middleware
@@ -64,6 +65,7 @@ def install() -> None:
         path = self.path.split(b"?", 1)[0].rstrip(b"/").decode("latin-1")
         if self.method != b"POST" or path not in GATED:
             return process(self)
+        intake.settle(self.channel)  # bounded here from now on, not by its caller's intake
         header = self.getHeader(b"authorization")
         caller, refusal = middleware.gate(header.decode("latin-1") if header else None)
         if refusal is not None:

@@ -64,7 +64,8 @@ _known_lock = threading.Lock()  # written on the pool's threads, read on the eve
 _in_flight: dict[str, int] = {}
 
 
-def _remember(api_key: ApiKey) -> None:
+def remember(api_key: ApiKey) -> None:
+    """`api_key` authenticated (here or in a DRF view): known to this process from now on."""
     known = _Known(api_key.digest, admission.tenant_caller(api_key.tenant_id), api_key.tenant.tier.concurrent_streams,
                    api_key.tenant.engine_id)
     with _known_lock:
@@ -76,7 +77,7 @@ def _remember(api_key: ApiKey) -> None:
 
 def _authenticate_and_admit(header: str | None) -> tuple[ApiKey, Decision]:
     api_key = authenticate_bearer(header)
-    _remember(api_key)
+    remember(api_key)
     # Every route behind this middleware generates (chat, completions, the WebSocket).
     if not api_key.allows(Scope.INFERENCE):
         raise errors.missing_scope(Scope.INFERENCE)
@@ -225,7 +226,7 @@ class ApiKeyAuthMiddleware:
 
 async def _authenticate(scope: AsgiScope, header: str | None) -> tuple[ApiKey, Decision]:
     """`authenticate_and_admit`, the key's tenant noted for /metrics even when a limit refuses:
-    a limit refuses only a key that authenticated, which `_remember` has made known."""
+    a limit refuses only a key that authenticated, which `remember` has made known."""
     try:
         api_key, decision = await authenticate_and_admit(header)
     except errors.ApiError:

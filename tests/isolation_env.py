@@ -100,6 +100,9 @@ TENANTS: dict[str, str] = {
     "stall": "stall-long",
     # tests/reliability/test_status_lines.py
     "rpm-1": "rpm-1",
+    # tests/reliability/test_intake.py
+    "intake": "hostile-p1",
+    "intake-other": "hostile-p1",
     # tests/cluster/test_nginx.py: nginx in front of this server
     "proxied": "hostile-p1",
 }
@@ -138,4 +141,6 @@ ENV: dict[str, str] = {
     # tests/security/test_file_upload_bounds.py: a refused upload's connection is seen held open
     # well inside this
     "FILES_REFUSAL_LINGER_S": "2",
+    # tests/reliability/test_intake.py: a tenant's requests parsed and not yet answered (the default)
+    "INTAKE_PENDING_PER_CALLER": "16",
 }

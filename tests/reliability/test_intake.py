@@ -3,9 +3,12 @@ after a burst of 300 connections is answered among the burst's first answers, no
 of them (config.intake). Twisted parsed each connection as it was read, in the order the kernel
 queued them, so a tenant's burst that landed first was parsed, gated and answered before anyone
 else's request was looked at."""
+import select
 import selectors
 import socket
+import time
 
+from tests import isolation_env
 from tests.serving.rawsse import OPENAI_CHAT, chat_body, host_port, request_bytes
 
 BURST = 300
@@ -47,3 +50,55 @@ def test_another_callers_request_is_answered_among_the_first_of_a_burst_that_arr
     assert {heads[sock].split(b" ", 2)[1] for sock in order} == {b"401"}
     answered_before = order.index(other)
     assert answered_before < BURST // 4, f"{answered_before} of the burst's {BURST} requests were answered first"
+
+
+# A tenant's requests parsed and not yet answered (isolation_env.ENV): past it, its next ones
+# wait unparsed, a kept-alive connection's next request too.
+BOUND = int(isolation_env.ENV["INTAKE_PENDING_PER_CALLER"])
+
+
+def _head(path: str, key: str, end: bool = True) -> bytes:
+    head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+    return (head + "\r\n" if end else head).encode()
+
+
+def _get(address: tuple[str, int], path: str, key: str = "") -> socket.socket:
+    sock = socket.create_connection(address, timeout=30)
+    sock.sendall(_head(path, key))
+    return sock
+
+
+def _answered_within(sock: socket.socket, seconds: float) -> bytes:
+    """The first bytes of an answer that came within `seconds`, or b""."""
+    ready, _, _ = select.select([sock], [], [], seconds)
+    return sock.recv(65536) if ready else b""
+
+
+def test_a_tenants_requests_past_its_bound_of_unanswered_ones_wait_and_others_do_not(hostile_live):
+    """Django serves a sync view's request (models, files, batches, usage) on a thread of its
+    own: a tenant's 400 parallel GETs were as many threads in the process."""
+    address = host_port(hostile_live.url)
+    key = hostile_live.keys["intake"]
+    kept = _get(address, "/v1/models", key)
+    assert _answered_within(kept, 30).startswith(b"HTTP/1.1 200"), "the key authenticates"
+    # The tenant's whole bound taken by requests whose heads never end: parsed, never answered.
+    unanswered = [socket.create_connection(address, timeout=30) for _ in range(BOUND)]
+    for sock in unanswered:
+        sock.sendall(_head("/v1/models", key, end=False))
+    time.sleep(0.5)  # every one of them parsed as far as it goes
+    kept.sendall(_head("/v1/models", key))
+    fresh = _get(address, "/v1/models", key)
+    other = _get(address, "/v1/models", hostile_live.keys["intake-other"])
+    probe = _get(address, "/healthz")
+    try:
+        assert _answered_within(other, 10).startswith(b"HTTP/1.1 200"), "another tenant waited"
+        assert _answered_within(probe, 10).startswith(b"HTTP/1.1 200"), "a probe waited"
+        assert _answered_within(kept, 1.5) == b"", "a kept-alive connection's next request was parsed past the bound"
+        assert _answered_within(fresh, 0.1) == b"", "a new connection's request was parsed past the bound"
+        # One answered (its connection gone): the held requests are parsed in the order they came.
+        unanswered.pop().close()
+        assert _answered_within(kept, 10).startswith(b"HTTP/1.1 200"), "the first held request waited on"
+        assert _answered_within(fresh, 10).startswith(b"HTTP/1.1 200"), "the next held request waited on"
+    finally:
+        for sock in [kept, fresh, other, probe, *unanswered]:
+            sock.close()
