@@ -27,14 +27,17 @@ next ones stay held until one is. Django runs each request of a sync view (model
 batches, usage, the console) on a thread of its own, as many at once as arrive: 400 parallel
 GETs of /v1/models from one tenant peaked at 136-144 threads taking the interpreter in turns,
 and another tenant's GET meanwhile took 0.48-0.53 s; with a bound of 16, 24-27 threads and
-0.13 s, and the 400 were all answered sooner (1.7-1.9 s, not 2.4-2.8; 2-core AMX Xeon). Another tenant's first token under that burst, p50 / p99: 0.191 / 0.231 s without the
-bound, 0.118 / 0.147 with it (bench/isolation.py, "400 GETs"; idle 0.032 / 0.055). Generation requests and WebSocket upgrades leave this count as they reach the flood
-gate (tenants.flood_gate: the tenant's generations in flight are bounded there) and their
-consumer. Callers known by address only (no key, or one not yet seen to authenticate here)
-are not bounded: behind nginx they are all one address, and a tenant's first requests after a
-restart would wait behind a stranger's slow ones; their keys are checked on the admission pool,
-half of it at most a caller. Probes (/healthz, /readyz, /metrics) queue as a caller of their
-own, so a flood of one address never delays a load balancer's checks.
+0.13 s, and the 400 were all answered sooner (1.7-1.9 s, not 2.4-2.8; 2-core AMX Xeon).
+Another tenant's first token under that burst, p50 / p99: 0.191 / 0.231 s without the bound,
+0.118 / 0.147 with it (bench/isolation.py, "400 GETs"; idle 0.032 / 0.055).
+
+Generation requests and WebSocket upgrades leave this count as they reach the flood gate
+(tenants.flood_gate: the tenant's generations in flight are bounded there) and their consumer.
+Callers known by address only (no key, or one not yet seen to authenticate here) are not
+bounded: behind nginx they are all one address, and a tenant's first requests after a restart
+would wait behind a stranger's slow ones; their keys are checked on the admission pool, half
+of it at most a caller. Probes (/healthz, /readyz, /metrics) queue as a caller of their own,
+so a flood of one address never delays a load balancer's checks.
 """
 from __future__ import annotations
 
