@@ -50,7 +50,19 @@ async def parse(parse_fn: Callable[[dict], T], data: dict, caller: object) -> T:
     gate.users += 1
     try:
         async with gate.lock:
-            return await asyncio.get_running_loop().run_in_executor(_pool, parse_fn, data)
+            work = _pool.submit(parse_fn, data)
+            done = asyncio.wrap_future(work)
+            try:
+                return await asyncio.shield(done)
+            except asyncio.CancelledError:
+                # The client left. A check already compiling runs on in its thread, and the
+                # tenant's turn ends when it does: released at once, a tenant that sends and
+                # leaves over and over kept every thread of the pool compiling its schemas.
+                if not work.cancel():
+                    await asyncio.wait([done])
+                    if not done.cancelled():
+                        done.exception()  # retrieved: nobody is left to be told
+                raise
     finally:
         gate.users -= 1
         if gate.users == 0 and _gates.get(caller) is gate:
