@@ -31,6 +31,12 @@ and another tenant's GET meanwhile took 0.48-0.53 s; with a bound of 16, 24-27 t
 Another tenant's first token under that burst, p50 / p99: 0.191 / 0.231 s without the bound,
 0.118 / 0.147 with it (bench/isolation.py, "400 GETs"; idle 0.032 / 0.055).
 
+A request must also arrive: its head within REQUEST_HEAD_TIMEOUT_S of its turn, and its body
+with no gap longer than REQUEST_BODY_IDLE_S (nginx's client_header_timeout and
+client_body_timeout), else it is answered 408 and its connection closed. Twisted waits 12 hours
+for either: a client sending its head a byte at a time held its connection, and a tenant's
+stalled uploads held its bound of unanswered requests, as long as that.
+
 Generation requests and WebSocket upgrades leave this count as they reach the flood gate
 (tenants.flood_gate: the tenant's generations in flight are bounded there) and their consumer.
 Callers known by address only (no key, or one not yet seen to authenticate here) are not
@@ -42,6 +48,7 @@ so a flood of one address never delays a load balancer's checks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -71,11 +78,25 @@ def caller_of(head: bytes, peer: str) -> str:
     return caller or "peer:" + peer
 
 
+def _late(head_s: float, body_s: float, phase: str) -> bytes:
+    limit = f"its head within {head_s:g} s" if phase == "head" else f"no pause in its body over {body_s:g} s"
+    body = json.dumps({"error": {
+        "message": f"The request did not arrive in time: this server waits for {limit}.",
+        "type": "invalid_request_error", "param": None, "code": "request_timeout",
+    }}).encode()
+    return (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
 class Intake:
-    def __init__(self, turn_s: float, parse, pending_per_caller: int = 0) -> None:
+    def __init__(self, turn_s: float, parse, pending_per_caller: int = 0, head_s: float = 0.0,
+                 body_s: float = 0.0) -> None:
         self.turn_s = turn_s
         self.parse = parse  # HTTPChannel.dataReceived as Twisted defines it
         self.bound = pending_per_caller  # 0: no bound
+        self.head_s, self.body_s = head_s, body_s  # 0: no deadline
+        self.reading: dict = {}  # channel -> [phase, deadline] of the request it is reading
+        self.sweeping = False
         self.waiting: OrderedDict[str, deque] = OrderedDict()  # callers whose turn may come
         self.parked: dict[str, deque] = {}  # callers at their bound of unanswered requests
         self.pending: dict[str, int] = {}  # caller -> its requests parsed and not yet answered
@@ -136,6 +157,7 @@ class Intake:
                 continue
             channel._intake_caller = caller
             self.pending[caller] = self.pending.get(caller, 0) + 1
+            self.reading_head(channel)
             if len(data) > HELD_BYTES:
                 channel.transport.resumeProducing()
             try:
@@ -149,6 +171,44 @@ class Intake:
             self._schedule()
 
 
+    # -- read deadlines ------------------------------------------------------------------
+
+    def reading_head(self, channel) -> None:
+        if self.head_s > 0:
+            self.reading[channel] = ["head", time.monotonic() + self.head_s]
+            self._sweep_soon()
+
+    def reading_body(self, channel) -> None:
+        """The head is in (or more of the body came): the body may pause REQUEST_BODY_IDLE_S."""
+        entry = self.reading.get(channel)
+        if entry is not None:
+            if self.body_s > 0:
+                entry[0], entry[1] = "body", time.monotonic() + self.body_s
+            else:
+                del self.reading[channel]
+
+    def read(self, channel) -> None:
+        """The request has arrived whole (or its connection is gone)."""
+        self.reading.pop(channel, None)
+
+    def _sweep_soon(self) -> None:
+        if not self.sweeping:
+            self.sweeping = True
+            asyncio.get_running_loop().call_later(1.0, self._sweep)
+
+    def _sweep(self) -> None:
+        self.sweeping = False
+        now = time.monotonic()
+        for channel, (phase, deadline) in list(self.reading.items()):
+            if deadline <= now:
+                del self.reading[channel]
+                log.info("a request from %s did not arrive in time (%s): 408", channel.transport.getPeer(), phase)
+                channel.transport.write(_late(self.head_s, self.body_s, phase))
+                channel.transport.loseConnection()
+        if self.reading:
+            self._sweep_soon()
+
+
 _installed: list[Intake] = []
 
 
@@ -158,7 +218,8 @@ def settle(channel) -> None:
         _installed[0].settle(channel)
 
 
-def install(turn_ms: float, pending_per_caller: int = 0) -> None:
+def install(turn_ms: float, pending_per_caller: int = 0, head_timeout_s: float = 0.0,
+            body_idle_s: float = 0.0) -> None:
     """Hook Twisted's HTTP channel and daphne's request (once per process); turn_ms 0 leaves
     them as they are."""
     from daphne.http_protocol import WebRequest
@@ -166,14 +227,18 @@ def install(turn_ms: float, pending_per_caller: int = 0) -> None:
 
     if turn_ms <= 0 or getattr(HTTPChannel, "_intake_installed", False):
         return
-    intake = Intake(turn_ms / 1000, HTTPChannel.dataReceived, pending_per_caller)
+    intake = Intake(turn_ms / 1000, HTTPChannel.dataReceived, pending_per_caller, head_timeout_s, body_idle_s)
     _installed.append(intake)
     parse, lost, done = HTTPChannel.dataReceived, HTTPChannel.connectionLost, HTTPChannel.requestDone
+    headers_in = HTTPChannel.allHeadersReceived
     process, reply = WebRequest.process, WebRequest.handle_reply
 
     def data_received(self, data):
         held = self.__dict__.get("_intake")
         if held is _RELEASED:
+            entry = intake.reading.get(self)
+            if entry is not None and entry[0] == "body":
+                intake.reading_body(self)
             return parse(self, data)
         if held is None:
             return intake.hold(self, data)
@@ -185,7 +250,12 @@ def install(turn_ms: float, pending_per_caller: int = 0) -> None:
         if self.__dict__.get("_intake") is not _RELEASED:
             self._intake = _LOST
         intake.settle(self)
+        intake.read(self)
         return lost(self, reason)
+
+    def all_headers_received(self):
+        intake.reading_body(self)
+        return headers_in(self)
 
     def request_done(self, request):
         intake.settle(self)
@@ -195,6 +265,7 @@ def install(turn_ms: float, pending_per_caller: int = 0) -> None:
         return done(self, request)
 
     def process_request(self):
+        intake.read(self.channel)
         upgrade = self.requestHeaders.getRawHeaders(b"upgrade") or [b""]
         if upgrade[0].lower() == b"websocket":
             intake.settle(self.channel)  # sockets per key are bounded by the consumer
@@ -208,6 +279,7 @@ def install(turn_ms: float, pending_per_caller: int = 0) -> None:
     HTTPChannel.dataReceived = data_received
     HTTPChannel.connectionLost = connection_lost
     HTTPChannel.requestDone = request_done
+    HTTPChannel.allHeadersReceived = all_headers_received
     WebRequest.process = process_request
     WebRequest.handle_reply = handle_reply
     HTTPChannel._intake_installed = True

@@ -315,6 +315,11 @@ INTAKE_TURN_MS = env.float("INTAKE_TURN_MS", default=0.2)
 # (config.intake; 0: no bound). Sync views run a thread per request: this bounds a tenant's
 # threads. Generation requests leave the count at the flood gate, which bounds them by tier.
 INTAKE_PENDING_PER_CALLER = env.int("INTAKE_PENDING_PER_CALLER", default=16)
+# A request's head must arrive within REQUEST_HEAD_TIMEOUT_S of its turn, and its body without a
+# pause longer than REQUEST_BODY_IDLE_S (nginx's defaults are 60 and 60), else 408 and the
+# connection closed (config.intake; 0: no deadline). Twisted alone waits 12 hours for either.
+REQUEST_HEAD_TIMEOUT_S = env.float("REQUEST_HEAD_TIMEOUT_S", default=30.0)
+REQUEST_BODY_IDLE_S = env.float("REQUEST_BODY_IDLE_S", default=60.0)
 # A stream's choices pause in the engine (keeping their blocks, computing nothing) once this many
 # tokens per choice wait behind a client that stopped taking them, and resume when it takes them
 # (0: never pause). 64 tokens is ~2 s of a busy CPU batch: a client that reads at all never waits

@@ -143,4 +143,7 @@ ENV: dict[str, str] = {
     "FILES_REFUSAL_LINGER_S": "2",
     # tests/reliability/test_intake.py: a tenant's requests parsed and not yet answered (the default)
     "INTAKE_PENDING_PER_CALLER": "16",
+    # tests/reliability/test_request_deadlines.py: a request's head and its body's pauses
+    "REQUEST_HEAD_TIMEOUT_S": "6",
+    "REQUEST_BODY_IDLE_S": "6",
 }
