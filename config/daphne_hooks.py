@@ -14,6 +14,7 @@
 7. `pace_accepts`: at most ACCEPTS_PER_TURN new connections per turn of the event loop.
 8. `abort_after_late_errors`: an application exception after the response started aborts the
    connection instead of stopping daphne's application checker.
+9. `close_idle_connections`: kept-alive connections idle for HTTP_KEEPALIVE_TIMEOUT_S are closed.
 
 All patch daphne's classes in this process only; `config.asgi` installs them, so they
 apply exactly where daphne serves the application.
@@ -380,6 +381,26 @@ def pace_accepts(per_turn: int) -> None:
     # Twisted reads and adapts the instance's `numberAccepts` in doRead: a property caps it.
     tcp.Port.numberAccepts = property(lambda self: per_turn, lambda self, value: None)
     tcp.Port._paced = True
+
+
+def close_idle_connections(seconds: float) -> None:
+    """A kept-alive connection with no request in progress is closed after `seconds` of silence
+    (0: never), as nginx's keepalive_timeout (75 s) does. Twisted's default is 12 hours: each
+    idle connection a client left open held a file descriptor of the process that long. Twisted
+    stops the clock while a request is being answered, so a long stream is never cut by it."""
+    from daphne.http_protocol import HTTPFactory
+
+    HTTPFactory._idle_timeout = seconds or None
+    if getattr(HTTPFactory, "_idle_timeout_installed", False):
+        return
+    init = HTTPFactory.__init__
+
+    def __init__(self, server):
+        init(self, server)
+        self.timeOut = HTTPFactory._idle_timeout
+
+    HTTPFactory.__init__ = __init__
+    HTTPFactory._idle_timeout_installed = True
 
 
 def call_when_serving(*calls) -> None:

@@ -104,6 +104,7 @@ class Intake:
 
     def hold(self, channel, data: bytes) -> None:
         channel._intake = bytearray(data)
+        channel.resetTimeout()  # Twisted's idle clock: a request waiting its turn is not idle
         peer = getattr(channel.transport.getPeer(), "host", "")
         caller = caller_of(data, peer)
         parked = self.parked.get(caller)

@@ -146,4 +146,6 @@ ENV: dict[str, str] = {
     # tests/reliability/test_request_deadlines.py: a request's head and its body's pauses
     "REQUEST_HEAD_TIMEOUT_S": "6",
     "REQUEST_BODY_IDLE_S": "6",
+    # ... and a kept-alive connection's silence between requests
+    "HTTP_KEEPALIVE_TIMEOUT_S": "8",  # above the two deadlines, as 75 is above 60 and 30
 }

@@ -77,3 +77,39 @@ def test_a_body_that_keeps_coming_slowly_is_served(hostile_live):
     finally:
         sock.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+
+
+def test_a_kept_alive_connection_left_idle_is_closed_and_one_in_use_is_not(hostile_live):
+    """Twisted kept an idle connection 12 hours: a file descriptor each for whoever left them."""
+    idle_s = float(isolation_env.ENV["HTTP_KEEPALIVE_TIMEOUT_S"])
+    address = host_port(hostile_live.url)
+    key = hostile_live.keys["intake-other"]
+    ask = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+    idle, used = socket.create_connection(address, timeout=30), socket.create_connection(address, timeout=30)
+    try:
+        for sock in (idle, used):
+            sock.sendall(ask)
+            assert _answer_head(sock).startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        while time.monotonic() - start < idle_s * 1.25:  # a request every third of the timeout
+            time.sleep(idle_s / 3)
+            used.sendall(ask)
+            assert _answer_head(used).startswith(b"HTTP/1.1 200"), "a connection in use was closed"
+        assert _answer(idle, GUARD_S) == b"", "the idle connection got something other than its close"
+        ready, _, _ = select.select([idle], [], [], 0)
+        assert ready and idle.recv(1) == b"", "the idle connection is still open"
+    finally:
+        idle.close()
+        used.close()
+
+
+def _answer_head(sock: socket.socket) -> bytes:
+    """One response of a kept-alive connection, read to the end of its Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
