@@ -32,6 +32,7 @@ daphne_hooks.name_status_codes()
 daphne_hooks.abort_after_late_errors()  # a view raising mid-stream: the client sees the cut, daphne keeps checking
 daphne_hooks.pace_accepts(settings.ACCEPTS_PER_TURN)
 daphne_hooks.close_idle_connections(settings.HTTP_KEEPALIVE_TIMEOUT_S)  # not Twisted's 12 hours
+daphne_hooks.raise_open_files_limit()  # a connection is a file descriptor: 1,024 is a stock soft limit
 intake.install(settings.INTAKE_TURN_MS, settings.INTAKE_PENDING_PER_CALLER,  # requests parsed in turns per caller
                settings.REQUEST_HEAD_TIMEOUT_S, settings.REQUEST_BODY_IDLE_S)
 # A stream's send waits for a slow reader; a stalled one is disconnected (see daphne_hooks).

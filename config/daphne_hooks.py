@@ -15,6 +15,7 @@
 8. `abort_after_late_errors`: an application exception after the response started aborts the
    connection instead of stopping daphne's application checker.
 9. `close_idle_connections`: kept-alive connections idle for HTTP_KEEPALIVE_TIMEOUT_S are closed.
+10. `raise_open_files_limit`: the soft limit on open files (a connection each) up to the hard one.
 
 All patch daphne's classes in this process only; `config.asgi` installs them, so they
 apply exactly where daphne serves the application.
@@ -401,6 +402,25 @@ def close_idle_connections(seconds: float) -> None:
 
     HTTPFactory.__init__ = __init__
     HTTPFactory._idle_timeout_installed = True
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """The soft limit on open files raised to the hard one, as nginx's worker_rlimit_nofile and
+    vLLM's server do: every connection is a file descriptor, and a stock Linux's soft limit of
+    1,024 stopped daphne accepting at about a thousand concurrent streams (Twisted then leaves
+    the rest in the listen queue until one closes). Returns (before, after)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return soft, soft
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError):  # a hard limit the kernel caps lower (fs.nr_open): keep the soft one
+        log.warning("could not raise the open files limit from %d to %d", soft, wanted)
+        return soft, soft
+    return soft, wanted
 
 
 def call_when_serving(*calls) -> None:

@@ -207,11 +207,18 @@ for name, tier_name in TENANTS.items():
 """
 
 
+def _soft_open_files(limit: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str], env: dict[str, str] | None = None,
-                      redis_url: str | None = None):
+                      redis_url: str | None = None, open_files: int | None = None):
     """Start everything; returns (server, stop). `tiers`: name -> save_tier fields;
     `tenants`: tenant name -> tier name (each gets one key). With `redis_url`, the caller
-    owns that Redis (to stop and restart it); otherwise the server gets its own."""
+    owns that Redis (to stop and restart it); otherwise the server gets its own. `open_files`:
+    daphne starts with that soft limit on open files (as a stock Linux's 1,024 would)."""
     redis_proc = None
     if redis_url is None:
         redis_proc, redis_url = start_redis(tmp)
@@ -258,6 +265,7 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
             [sys.executable, "-m", "daphne", "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={WEB_BACKLOG}",
              "config.asgi:application"],
             cwd=ROOT, env=child_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+            preexec_fn=None if open_files is None else lambda: _soft_open_files(open_files),
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while http_status(server.url + "/readyz") != 200:
