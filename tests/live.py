@@ -207,12 +207,6 @@ for name, tier_name in TENANTS.items():
 """
 
 
-def _soft_open_files(limit: int) -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
-
 def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str], env: dict[str, str] | None = None,
                       redis_url: str | None = None, open_files: int | None = None):
     """Start everything; returns (server, stop). `tiers`: name -> save_tier fields;
@@ -261,12 +255,11 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
                            check=True, capture_output=True, timeout=300)
         created = server.django(f"TIERS = {tiers!r}\nTENANTS = {tenants!r}\n" + TENANTS_SCRIPT)
         server.keys, server.tenant_ids = created["keys"], created["ids"]
-        daphne = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={WEB_BACKLOG}",
-             "config.asgi:application"],
-            cwd=ROOT, env=child_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-            preexec_fn=None if open_files is None else lambda: _soft_open_files(open_files),
-        )
+        command = [sys.executable, "-m", "daphne", "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={WEB_BACKLOG}",
+                   "config.asgi:application"]
+        if open_files is not None:  # through a shell's ulimit: no preexec_fn in a process with threads
+            command = ["/bin/sh", "-c", f'ulimit -Sn {int(open_files)} && exec "$0" "$@"', *command]
+        daphne = subprocess.Popen(command, cwd=ROOT, env=child_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while http_status(server.url + "/readyz") != 200:
             if daphne.poll() is not None or time.monotonic() > deadline:
