@@ -322,8 +322,8 @@ REQUEST_HEAD_TIMEOUT_S = env.float("REQUEST_HEAD_TIMEOUT_S", default=30.0)
 REQUEST_BODY_IDLE_S = env.float("REQUEST_BODY_IDLE_S", default=60.0)
 # A kept-alive connection with no request in progress is closed after this many seconds of
 # silence (nginx's keepalive_timeout; 0: never). Twisted alone keeps it 12 hours. Its clock also
-# runs while a request is read: keep it above the two deadlines above, or a slow request is
-# closed without its 408.
+# runs while a request is read: above the two deadlines above (checked at startup), or a slow
+# request would be closed without its 408.
 HTTP_KEEPALIVE_TIMEOUT_S = env.float("HTTP_KEEPALIVE_TIMEOUT_S", default=75.0)
 # A stream's choices pause in the engine (keeping their blocks, computing nothing) once this many
 # tokens per choice wait behind a client that stopped taking them, and resume when it takes them

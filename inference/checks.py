@@ -77,6 +77,22 @@ def check_limits_fallback(app_configs: Any = None, **kwargs: Any) -> list[Error]
     return problems
 
 
+@register()
+def check_connection_deadlines(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """config.intake's read deadlines and the idle close (config.daphne_hooks). Twisted's idle
+    clock also runs while a request is read, so at or below a read deadline it would close a
+    slow request without the 408 that says why."""
+    names = ("REQUEST_HEAD_TIMEOUT_S", "REQUEST_BODY_IDLE_S", "HTTP_KEEPALIVE_TIMEOUT_S")
+    problems = [Error(f"{name} must not be negative (0: no deadline).", id="inference.E012")
+                for name in names if getattr(settings, name) < 0]
+    idle = settings.HTTP_KEEPALIVE_TIMEOUT_S
+    for name in names[:2]:
+        if idle > 0 and idle <= getattr(settings, name):
+            problems.append(Error(f"HTTP_KEEPALIVE_TIMEOUT_S ({idle:g}) must be above {name} ({getattr(settings, name):g}): "
+                                  "a slow request would be closed without its 408.", id="inference.E012"))
+    return problems
+
+
 @register(Tags.security, deploy=True)
 def check_internal_token(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
     return [
