@@ -2,7 +2,8 @@
 """`make run`: migrate (and collectstatic with DEBUG off), create the admin user once, then hand over to honcho, which runs
 redis (unless REDIS_URL points at one), web (daphne) and worker (Celery) from
 platform/Procfile. A web process or worker that dies (a crash, the OOM killer) is started again
-after 2 s by its Procfile loop; Redis exiting stops the platform.
+after 2 s by platform/supervise.sh, which gives it up (and honcho stops the platform) when it
+exits within 10 s of starting 5 times in a row; Redis exiting stops the platform.
 
 The launcher execs honcho, so SIGINT/SIGTERM reach honcho directly; it sends SIGTERM to
 each process group and SIGKILL to any still alive 5 seconds later. Nothing here waits for
