@@ -114,8 +114,10 @@ def celery_workers(launcher: int) -> set[int]:
 
 
 def is_celery(cmdline: bytes) -> bool:
-    """celery itself, not the shell loop whose script names it."""
-    return any(arg == b"celery" or arg.endswith(b"/celery") for arg in cmdline.split(b"\0"))
+    """celery itself (its script run by the venv's python, or the program run), not a shell
+    that names it among its arguments (platform/supervise.sh ... celery -A config worker)."""
+    args = cmdline.split(b"\0")
+    return args[0] == b"celery" or args[0].endswith(b"/celery") or (len(args) > 1 and args[1].endswith(b"/celery"))
 
 
 def listen_backlog(port: int) -> int:
