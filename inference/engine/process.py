@@ -247,6 +247,30 @@ def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
             return 0
 
 
+def _load_apart(config: EngineConfig):
+    """The engine, or what loading it raised, loaded on a thread that ends before the engine
+    thread starts. libgomp gives each thread that opens a parallel region a team of its own and,
+    while it manages more threads than there are CPUs, has their workers sleep between regions
+    instead of spinning: loaded on this (main) thread, whose team outlives the load, the engine
+    thread's steps each woke a sleeping worker some 300 times, and a one-token step of SmolLM2
+    took 25 ms against 13 ms in the engine alone (2-core AMX Xeon, bench/engine_contention.py).
+    A team ends with its thread, so nothing here but the engine thread keeps one."""
+    from inference.engine.engine import LLMEngine
+
+    result: list = []
+
+    def load() -> None:
+        try:
+            result.append(LLMEngine.from_config(config))
+        except Exception as exc:  # noqa: BLE001 (reported by the caller, as loading on its own thread would)
+            result.append(exc)
+
+    loader = threading.Thread(target=load, name="engine-load")
+    loader.start()
+    loader.join()
+    return result[0]
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the web process decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -254,15 +278,14 @@ def main(argv: list[str]) -> int:
     busy = mmap.mmap(int(argv[2]), _BUSY.size)
     config, log_level = conn.recv()  # the web process's level: its LOG_LEVEL
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine %(process)d] %(message)s")
-    try:
-        from inference.engine.engine import LLMEngine
-        from inference.engine.metrics import EngineMetrics
+    from inference.engine.metrics import EngineMetrics
 
-        engine = LLMEngine.from_config(config)
-    except Exception as exc:
-        log.exception("the engine failed to load")
-        conn.send(("failed", _encode_error(exc)))
+    loaded = _load_apart(config)
+    if isinstance(loaded, Exception):
+        log.error("the engine failed to load", exc_info=loaded)
+        conn.send(("failed", _encode_error(loaded)))
         return 1
+    engine = loaded
     import gc
 
     gc.collect()
