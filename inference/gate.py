@@ -17,9 +17,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from django.conf import settings
 
@@ -29,8 +27,6 @@ from tenants import admission, errors, quota
 from tenants.errors import ApiError
 from tenants.limits import Decision, Lease
 from tenants.models import ApiKey, QuotaTier, Tenant
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +114,6 @@ class _SlotWaiters:
 _slot_waiters = _SlotWaiters()
 
 
-async def _despite_leaving(call: Awaitable[T], keep: Callable[[T], None]) -> T:
-    """`call`'s result. The admission pool's thread runs it to the end whether or not we wait: if
-    this task is cancelled meanwhile (the client left), wait for it anyway and `keep` what it
-    took, so the request's cleanup gives it back, then let the cancellation through."""
-    running = asyncio.ensure_future(call)
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            keep(await running)
-        raise
-
-
 @dataclass
 class Holds:
     """One generation's slots and token reservation: taken at admission, renewed while it runs.
@@ -188,9 +171,8 @@ class Holds:
     async def _take(self, choices: int, param: str) -> Lease:
         # Left while its slots were being taken, the request keeps them so that release() gives
         # them back, rather than leave them held for their TTL.
-        return await _despite_leaving(admission.run(quota.open_stream, self.tenant, None, choices, param,
-                                                    caller=self.caller, what="generation slots"),
-                                      lambda lease: setattr(self, "lease", lease))
+        return await admission.run(quota.open_stream, self.tenant, None, choices, param, caller=self.caller,
+                                   what="generation slots", keep=lambda lease: setattr(self, "lease", lease))
 
     async def reserve_tokens(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int, choices: int,
                              metered: bool) -> None:
@@ -200,10 +182,9 @@ class Holds:
         try:
             # Left meanwhile, it keeps the reservation so that its settlement gives it back, rather
             # than leave the budget held until its TTL and tokens/min charged for nothing.
-            self.tokens = await _despite_leaving(
-                admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices, self.api_key,
-                              caller=self.caller, what="token admission"),
-                lambda tokens: setattr(self, "tokens", tokens))
+            self.tokens = await admission.run(admit, self.tenant, prompt_tokens, max_tokens, choices, self.api_key,
+                                              caller=self.caller, what="token admission",
+                                              keep=lambda tokens: setattr(self, "tokens", tokens))
         except ApiError as error:
             if error.param == "max_tokens":  # name the field the client sent
                 error.param = request.max_tokens_param
