@@ -262,6 +262,9 @@ INFERENCE = {
     "CROWD_SIT_OUT_EVERY": env.int("INFERENCE_CROWD_SIT_OUT_EVERY", default=4),
     # Prompt tokens a tenant with CROWD_SIT_OUT_SEQS sequences in a step computes in it (0: no cap).
     "CROWD_PREFILL_TOKENS": env.int("INFERENCE_CROWD_PREFILL_TOKENS", default=64),
+    # Threads of the engine's CPU kernels; 0: a core fewer than this process may use (at least
+    # one), the other left to the web process (inference.engine.config.EngineConfig.cpu_threads).
+    "CPU_THREADS": env.int("INFERENCE_CPU_THREADS", default=0),
     # Which kernels the model runs: auto (Triton on CUDA, the compiled CPU kernels where they
     # build, else the PyTorch references), or reference, triton or cpu to force one.
     "KERNELS": env.str("KERNELS", default="auto").strip().lower() or "auto",

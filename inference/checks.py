@@ -37,6 +37,9 @@ def check_inference_settings(app_configs: Any = None, **kwargs: Any) -> list[Err
         problems.append(Error("INFERENCE_AGING_S must be positive.", id="inference.E005"))
     if conf["KERNELS"] not in KERNELS:
         problems.append(Error(f"KERNELS must be one of {', '.join(KERNELS)}.", id="inference.E006"))
+    if conf["CPU_THREADS"] < 0:
+        problems.append(Error("INFERENCE_CPU_THREADS must be 0 (a core fewer than the machine has) or a number of "
+                              "threads.", id="inference.E013"))
     if conf["QUANTIZATION"] not in QUANTIZATIONS:
         problems.append(Error(f"INFERENCE_QUANTIZATION must be one of {', '.join(QUANTIZATIONS)}.", id="inference.E010"))
     return problems + _speculative_problems(conf)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -66,7 +67,17 @@ def engine_config() -> EngineConfig:
         speculative_adaptive=conf["SPECULATIVE_ADAPTIVE"],
         ngram_min=conf["NGRAM_MIN"],
         cache_dir=conf["CACHE_DIR"] or None,
+        cpu_threads=conf["CPU_THREADS"] or serving_threads(),
     )
+
+
+def serving_threads() -> int:
+    """The engine's CPU threads when INFERENCE_CPU_THREADS is 0: a core fewer than this process
+    may run on, at least one. The web process (the event loop, admission, tokenizing) keeps a
+    core; sharing every core with it, the engine's team of threads waited at each parallel
+    region for the one the web process had taken (see EngineConfig.cpu_threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 class EngineUnavailable(Exception):

@@ -152,8 +152,19 @@ class EngineConfig:
     speculative_adaptive: bool = True
     # Where converted weights and tokenizers are kept (None: ~/.cache/llm-platform).
     cache_dir: str | None = None
+    # Threads of the CPU kernels (torch.set_num_threads at load; 0: PyTorch's default, one per
+    # core). Serving sets it to a core fewer than the machine has (inference.host), so the web
+    # process beside the engine does not share a core with a team of OpenMP threads: a step's
+    # ~300 parallel regions each wait for every thread of the team, and a team that shares its
+    # cores with other work waits for the one that is not running. On a 2-core AMX Xeon a
+    # one-token step of SmolLM2 took 13 ms on 2 threads and 22 on 1 quiet, and beside one busy
+    # process 31-35 ms on 2, 23 on 1 (bench/engine_contention.py); another tenant's first token
+    # while a tenant's 16 large schemas were checked came after 480 ms on 2, 178 on 1.
+    cpu_threads: int = 0
 
     def __post_init__(self):
+        if self.cpu_threads < 0:
+            raise ConfigError(f"cpu_threads must be 0 (every core) or more, got {self.cpu_threads}", setting="cpu_threads")
         if self.kernels not in KERNELS_CHOICES:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS_CHOICES)}, got {self.kernels!r}", setting="kernels")
         if self.quantization not in QUANTIZATIONS:

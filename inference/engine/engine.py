@@ -142,6 +142,8 @@ class LLMEngine:
         for a device or dtype this machine cannot use, or a model architecture it cannot run."""
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        if config.cpu_threads and device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # process-wide: every thread's parallel regions
         model, source = load_model(config.model, dtype, device, config.cache_dir, config.kernels, config.quantization)
         draft = None
         if config.speculative == "draft":
