@@ -293,8 +293,12 @@ def main(argv: list[str]) -> int:
     core = _CoreEngine(engine, conn, threading.Lock(), busy, metrics=EngineMetrics())
     core.start()
     bm = engine.block_manager
+    # With its first stats: the next ones come with the first iteration, and until a request
+    # ran the operator's engine page read a cache of zero blocks.
+    stats = core.stats()
     core.send(("ready", {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-                         "num_blocks": bm.num_blocks, "block_size": bm.block_size, "model_name": engine.model_name}))
+                         "num_blocks": bm.num_blocks, "block_size": bm.block_size, "model_name": engine.model_name,
+                         "stats": dataclasses.replace(stats, lanes=dict(stats.lanes))}))
     if engine.grammars is not None:
         # llguidance's tokenizer, built at the first structured request, took 0.33 s of the
         # command thread (2-core Zen 3), where every tenant's submits queue: built now, beside it.
@@ -482,6 +486,7 @@ class EngineProcess:
             proc.wait()
             raise _decode_error(answer[1])
         self._child = _Child(proc, conn, busy, _Writer(conn.fileno()))
+        self._snapshot = answer[1]["stats"]  # the new process's: a restarted one's cache is empty
         log.info("engine process %d serving", proc.pid)
         return answer[1]
 

@@ -184,10 +184,21 @@ def test_a_reader_silent_past_the_lease_is_aborted_with_the_reason(engine_proces
     wait_until(lambda: engine_process.stats().blocks_used == 0, "the silent request's blocks were not freed")
 
 
+def assert_cache_reported(engine: EngineProcess) -> None:
+    """The operator's engine page and /api/v1/engine/stats read the cache's size once the
+    engine serves, not zero blocks until its first request has run."""
+    stats = engine.stats()
+    assert stats.ready and stats.block_size > 0, stats
+    assert stats.blocks_total > 0 and stats.blocks_free == stats.blocks_total and stats.blocks_used == 0, stats
+    assert stats.swap_blocks_total > 0, stats
+
+
 def test_an_engine_process_killed_under_a_request_fails_it_and_comes_back():
     engine = EngineProcess(CONFIG)
     engine.start()
     try:
+        assert_cache_reported(engine)
+
         async def doomed():
             stream = await engine.submit("doomed", [1, 2, 3], greedy(1000))
             first = await stream.__anext__()
@@ -207,6 +218,7 @@ def test_an_engine_process_killed_under_a_request_fails_it_and_comes_back():
         if not engine.is_ready():
             run(refused())
         wait_until(engine.is_ready, "the engine process was not started again")
+        assert_cache_reported(engine)  # the new process's cache, before any request reached it
         tokens, final = run(_generate(engine, "after", 8))
         assert len(tokens) == 8 and final.finish_reason == "length"
         assert engine.stats().restarts == 1
