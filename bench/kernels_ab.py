@@ -6,9 +6,10 @@ changes are worth, so two runs at different times cannot tell them apart. Here b
 load into one process and take turns on the same inputs, and the medians are compared.
 Workloads, where both builds have the op: decode attention over 30 layers' caches (64
 sequences of 32-500 tokens, and 16), and SmolLM2's four layer linears over 30 layers at
-1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small), and int4
+1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small), int4
 `quant_linear` over the same linears at 1, 2 and 5 rows (a decode, and a verifying pass of 4
-speculative tokens).
+speculative tokens), and in bf16 where the CPU dots bf16, int8 `quant_gemm` at 1-64 rows (a
+batch's decode steps).
 
     .venv/bin/python bench/kernels_ab.py [--base HEAD] [--dtype bfloat16] [--reps 8]   # ~2 minutes
 """
@@ -77,11 +78,12 @@ def linear_workload(dtype: torch.dtype, rows: int, amx: bool):
     return lambda ext: [ext.linear_small(x, w) for layer in weights for x, w in zip(xs, layer)]
 
 
-def quant_workload(dtype: torch.dtype, rows: int):
-    """int4 `quant_linear` over SmolLM2's four layer linears, 30 layers (weights in groups of 32)."""
-    weights = [[quant.quantize(torch.randn(n, k) * 0.02, 4) for n, k in LINEARS] for _ in range(LAYERS)]
+def quant_workload(dtype: torch.dtype, rows: int, op: str = "quant_linear", bits: int = 4):
+    """`op` (quant_linear, quant_gemm) over SmolLM2's four layer linears, 30 layers, the
+    weights at `bits` in groups of 32."""
+    weights = [[quant.quantize(torch.randn(n, k) * 0.02, bits) for n, k in LINEARS] for _ in range(LAYERS)]
     xs = [torch.randn(rows, k).to(dtype) for _, k in LINEARS]
-    return lambda ext: [ext.quant_linear(x, q.qweight, q.scales, q.mins, None, 4)
+    return lambda ext: [getattr(ext, op)(x, q.qweight, q.scales, q.mins, None, bits)
                         for layer in weights for x, q in zip(xs, layer)]
 
 
@@ -107,6 +109,8 @@ def main() -> None:
             workloads += [(f"{name}, {r} rows", linear_workload(dtype, r, amx)) for r in (1, 16, 64)]
         if both("quant_linear"):
             workloads += [(f"quant_linear int4, {r} rows", quant_workload(dtype, r)) for r in (1, 2, 5)]
+        if dtype == torch.bfloat16 and both("quant_gemm") and all(b.quant_gemm_available() for b in builds.values()):
+            workloads += [(f"quant_gemm int8, {r} rows", quant_workload(dtype, r, "quant_gemm", 8)) for r in (1, 4, 16, 32, 64)]
         print(f"# base {args.base} vs working tree, {dtype}, {torch.get_num_threads()} threads, {args.reps} turns each")
         print("| workload | base | working tree | base / working tree |\n|---|---|---|---|")
         for name, run in workloads:
