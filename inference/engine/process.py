@@ -16,11 +16,11 @@ tenant's idle first token p50 0.033 -> 0.021 s, its p99 beside an attacker's 16 
 streams 0.095 -> 0.063 s and beside a 400-connection burst 0.300 -> 0.208 s (docs/benchmarks.md).
 
 The child reads its config from the socket, loads, and answers "ready" (the shape the web
-side checks requests against) or "failed". It ignores SIGINT and SIGTERM: the web process
-stops it (its drain ends in-flight requests first), and it exits by itself when the web
-process is gone (its socket reads end of file), however that died. A child that dies under
-the web process (killed for memory, a crash in native code) fails the requests in flight
-with an error and is started again; /readyz reads "failed" meanwhile.
+side checks requests against, and its first stats) or "failed". It ignores SIGINT and SIGTERM:
+the web process stops it (its drain ends in-flight requests first), and it exits by itself
+when the web process is gone (its socket reads end of file), however that died. A child that
+dies under the web process (killed for memory, a crash in native code) fails the requests in
+flight with an error and is started again; /readyz reads "failed" meanwhile.
 """
 from __future__ import annotations
 
