@@ -38,10 +38,11 @@ of the body is dropped unread. The consumers keep their own count as a second li
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import struct
 import time
+
+from config.raw_errors import error_bytes
 
 try:  # Linux: the kernel's count of bytes a socket sent that its peer has not acknowledged
     import fcntl
@@ -61,17 +62,7 @@ def _limit_for(path: bytes) -> int:
 
 
 def _refusal(limit: int) -> bytes:
-    body = json.dumps({"error": {
-        "message": f"The request body is larger than this server's limit of {limit} bytes.",
-        "type": "invalid_request_error", "param": None, "code": "request_too_large",
-    }}).encode()
-    head = (
-        "HTTP/1.1 413 Request Entity Too Large\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    return head + body
+    return error_bytes(413, f"The request body is larger than this server's limit of {limit} bytes.", "request_too_large")
 
 
 def _count_refusal(path: bytes) -> None:

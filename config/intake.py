@@ -48,12 +48,12 @@ so a flood of one address never delays a load balancer's checks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
 from collections import OrderedDict, deque
 
+from config.raw_errors import error_bytes
 from tenants import middleware
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,7 @@ def caller_of(head: bytes, peer: str) -> str:
 
 def _late(head_s: float, body_s: float, phase: str) -> bytes:
     limit = f"its head within {head_s:g} s" if phase == "head" else f"no pause in its body over {body_s:g} s"
-    body = json.dumps({"error": {
-        "message": f"The request did not arrive in time: this server waits for {limit}.",
-        "type": "invalid_request_error", "param": None, "code": "request_timeout",
-    }}).encode()
-    return (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode() + body
+    return error_bytes(408, f"The request did not arrive in time: this server waits for {limit}.", "request_timeout")
 
 
 class Intake:

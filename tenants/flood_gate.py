@@ -17,11 +17,10 @@ application; 1 of 17 now. The middleware counts requests of keys not known yet i
 """
 from __future__ import annotations
 
-import json
 import uuid
-from http import HTTPStatus
 
 from config import intake
+from config.raw_errors import response_bytes
 from config.request_ids import _SANE
 from inference import http_metrics, refusals
 from tenants import middleware
@@ -32,11 +31,8 @@ GATED = {"/v1/chat/completions": "v1/chat/completions", "/v1/completions": "v1/c
 
 
 def _response(error, request_id: str) -> bytes:
-    body = json.dumps(error.body()).encode()
-    headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **error.headers,
-               "X-Request-Id": request_id, "openai-processing-ms": "0", "Connection": "close"}
-    head = f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    return (head + "\r\n").encode("latin-1") + body
+    return response_bytes(error.status, error.body(),
+                          {**error.headers, "X-Request-Id": request_id, "openai-processing-ms": "0"})
 
 
 def _refuse(request, path: str, error, tenant_id: str | None) -> None:
