@@ -8,10 +8,10 @@ import json
 from http import HTTPStatus
 
 
-def error_bytes(status: int, message: str, code: str, headers: dict[str, str] | None = None,
-                error_type: str = "invalid_request_error", param: str | None = None) -> bytes:
-    return response_bytes(status, {"error": {"message": message, "type": error_type, "param": param, "code": code}},
-                          headers)
+def error_bytes(status: int, message: str, code: str) -> bytes:
+    """An invalid_request_error naming no parameter."""
+    return response_bytes(status, {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                             "code": code}})
 
 
 def response_bytes(status: int, body: dict, headers: dict[str, str] | None = None) -> bytes:
