@@ -19,7 +19,7 @@ from kernels.activation import silu_and_mul, silu_and_mul_impl
 from kernels.argmax import argmax_rows, argmax_rows_impl
 from kernels.dispatch import CHOICES, check_choice
 from kernels.kv_cache import rotary_write_kv, rotary_write_kv_impl, write_kv, write_kv_impl
-from kernels.linear import ALL_ROWS, SMALL_ROWS, gated_linear_for, small_linear_for
+from kernels.linear import ALL_ROWS, SMALL_ROWS, gated_linear_for, panel_linear_for, small_linear_for
 from kernels.paged_attention import PagedAttentionMetadata, paged_attention, paged_attention_impl
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_impl, rms_norm, rms_norm_impl
 from kernels.rotary import apply_rotary, apply_rotary_impl
@@ -63,6 +63,7 @@ __all__ = [
     "apply_rotary",
     "check_choice",
     "gated_linear_for",
+    "panel_linear_for",
     "ops_for",
     "paged_attention",
     "rms_norm",

@@ -9,10 +9,15 @@ weights stream from memory. On CPU:
   8-13 GB/s at 2-64 rows where it reads them at 16-24 (bench/linear_small.py);
 - fp32: the compiled `linear_small`, up to SMALL_ROWS rows, at nearly the machine's read
   bandwidth, where oneDNN and MKL reached about half of it;
-- bf16 with AVX512-BF16 but no AMX: oneDNN at every row count. `linear_small` ran one row
-  at 0.96x oneDNN on a 2-core AVX512-BF16 EPYC, and it sums in another order than oneDNN:
-  a lone sequence's step would come out a few ulps off the same row in a batch, so a
-  seeded sample could change with what else runs;
+- bf16 with AVX512-BF16 but no AMX: the compiled `linear_panels` at every row count, over
+  weights repacked into panels of 32 outputs (pack_panels), which a thread streams front to
+  back. Over SmolLM2's weights on a 2-core Zen 4 EPYC, against oneDNN's packed GEMM, one
+  thread: 0.47x its time at one row (10.0 ms, the weights read at 27 GB/s, where oneDNN read
+  them at 13), 0.62x at 8, 0.73x at 16, 0.92-0.96x at 32-1,024; two threads 0.58x at one row,
+  0.67x at 16, 0.92-0.98x at 256-1,024. One kernel at every row count: `linear_small` at a
+  few rows and oneDNN above sum in different orders, and a lone sequence's step came out a
+  few ulps off the same row in a batch (a seeded sample could change with what else ran);
+  shapes it does not cover (not multiples of 32) keep oneDNN at every row count;
 - bf16 on an AVX-512 CPU without native bf16 (AVX512-BF16 or AMX): every row count
   (ALL_ROWS), `linear_small` up to EMULATED_SMALL_ROWS and above it the weights widened
   to fp32 for one fp32 GEMM, both faster than oneDNN's emulated bf16 GEMM.
@@ -88,12 +93,37 @@ def gated_linear_for(weight: torch.Tensor, choice: str = "auto") -> tuple[Callab
     return (lambda x: module.linear_amx(x, packed, None, True)), AMX_ROWS
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16 -> [out/32, in/2, 32, 2]: panels of 32 outputs, input pair by input pair,
+    panels[p][i][c][j] = weight[32 p + c][2 i + j], as `linear_panels` reads them (and as
+    `quant_gemm` dequantizes its panels)."""
+    n, k = weight.shape
+    if n % 32 or k % 32:
+        raise ValueError(f"pack_panels needs out_features and in_features multiples of 32, got {n} x {k}")
+    return weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panel_linear_for(weight: torch.Tensor, choice: str = "auto") -> tuple[torch.Tensor, FewRows] | None:
+    """(the weight packed by pack_panels, run(x, bias)) where `linear_panels` takes this weight
+    at every row count: CPU, bf16, both sizes multiples of 32, AVX512-BF16 without AMX (AMX
+    keeps linear_amx), the kernels choice auto or cpu; else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    if check_choice(choice) not in ("auto", "cpu") or weight.shape[0] % 32 or weight.shape[1] % 32:
+        return None
+    module = cpu_ext.load()
+    if module is None or not module.linear_panels_available() or module.linear_amx_available():
+        return None
+    packed = pack_panels(weight)
+    return packed, (lambda x, bias: module.linear_panels(x, packed, bias))
+
+
 def small_linear_for(weight: torch.Tensor, choice: str = "auto") -> tuple[FewRows, int] | None:
     """The compiled few-rows linear for this weight, as (run(x, bias), the most rows of x it
     should take, ALL_ROWS for every count), or None where none applies: not CPU, neither
     fp32 nor bf16, bf16 on a CPU without AVX-512 (or shapes the kernels do not cover) or
-    with AVX512-BF16 but no AMX (oneDNN's there), the kernels choice reference or triton, the
-    extension did not build."""
+    with AVX512-BF16 but no AMX (panel_linear_for's, or oneDNN's), the kernels choice
+    reference or triton, the extension did not build."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or not weight.is_contiguous():
         return None
     if check_choice(choice) not in ("auto", "cpu"):

@@ -2185,6 +2185,29 @@ static inline void panel_tile(const at::BFloat16* x, int64_t k, const uint32_t* 
   for (int h = 0; h < 2 && cols > h * 16; ++h) store_outputs<MR>(a, h, bias, out, n, c0 + h * 16, cols - h * 16);
 }
 
+// Every row of x against the panel's outputs c0..c0 + cols, TILE_ROWS rows at a time.
+static void panel_rows(const at::BFloat16* x, int64_t m, int64_t k, const uint32_t* panel, const at::BFloat16* bias,
+                       at::BFloat16* out, int64_t n, int64_t c0, int64_t cols) {
+  for (int64_t i = 0; i < m; i += TILE_ROWS) {
+    const at::BFloat16* xi = x + i * k;
+    at::BFloat16* oi = out + i * n;
+    switch (std::min<int64_t>(TILE_ROWS, m - i)) {
+      case 1: panel_tile<1>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 2: panel_tile<2>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 3: panel_tile<3>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 4: panel_tile<4>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 5: panel_tile<5>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 6: panel_tile<6>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 7: panel_tile<7>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 8: panel_tile<8>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 9: panel_tile<9>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 10: panel_tile<10>(xi, k, panel, bias, oi, n, c0, cols); break;
+      case 11: panel_tile<11>(xi, k, panel, bias, oi, n, c0, cols); break;
+      default: panel_tile<12>(xi, k, panel, bias, oi, n, c0, cols); break;
+    }
+  }
+}
+
 // One or two rows of x against 16 outputs, the weights dequantized and transposed in
 // registers: the panel's sums in the panel's order, without writing and reading back a panel.
 // SmolLM2's 30 layers at one row: 10.2 ms, against 10.9 through panels and 6.5 for
@@ -2386,29 +2409,57 @@ static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const vo
     for (int64_t p = begin; p < end; ++p) {
       const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
       dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
-      for (int64_t i = 0; i < m; i += TILE_ROWS) {
-        const at::BFloat16* xi = x + i * k;
-        at::BFloat16* oi = out + i * n;
-        switch (std::min<int64_t>(TILE_ROWS, m - i)) {
-          case 1: panel_tile<1>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 2: panel_tile<2>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 3: panel_tile<3>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 4: panel_tile<4>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 5: panel_tile<5>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 6: panel_tile<6>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 7: panel_tile<7>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 8: panel_tile<8>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 9: panel_tile<9>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 10: panel_tile<10>(xi, k, panel, bias, oi, n, c0, cols); break;
-          case 11: panel_tile<11>(xi, k, panel, bias, oi, n, c0, cols); break;
-          default: panel_tile<12>(xi, k, panel, bias, oi, n, c0, cols); break;
-        }
-      }
+      panel_rows(x, m, k, panel, bias, out, n, c0, cols);
+    }
+  });
+}
+
+
+// linear_panels: out = x @ W.T (+ bias) for bf16 x and W where the CPU dots bf16 natively
+// (AVX512-BF16), W packed once by kernels.linear.pack_panels into the layout quant_gemm
+// dequantizes its panels into: [out / 32][in / 2][32] pairs of bf16, each panel of 32 outputs
+// contiguous, so a thread streams its panels front to back and panel_tile runs every row of x
+// against each. Each output is one lane's chain over the inputs in order whatever the rows
+// around it: a row gets the same bits in any batch.
+static void linear_panels_kernel(const at::BFloat16* x, const uint32_t* packed, const at::BFloat16* bias, at::BFloat16* out,
+                                 int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, n / PANEL_COLS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint32_t* panel = packed + p * (k / 2) * PANEL_COLS;
+      panel_rows(x, m, k, panel, bias, out, n, p * PANEL_COLS, PANEL_COLS);
     }
   });
 }
 
 #endif
+
+bool linear_panels_available() {
+#if defined(HAVE_QUANT_GEMM)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor linear_panels(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear_panels takes bf16");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == 32 && packed.size(3) == 2,
+              "packed must be kernels.linear.pack_panels' [out / 32, in / 2, 32, 2]");
+  const int64_t n = packed.size(0) * 32, k = packed.size(1) * 2;
+  TORCH_CHECK(x.size(-1) == k && k % 32 == 0, "x's last dimension must be the weight's in_features, a multiple of 32");
+  x = x.contiguous();
+  const int64_t m = x.numel() / k;
+  torch::Tensor bias_c = checked_bias(bias, x, n);
+  auto out = linear_out(x, n);
+#if defined(HAVE_QUANT_GEMM)
+  linear_panels_kernel(x.data_ptr<at::BFloat16>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()),
+                       bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(), m, n, k);
+#else
+  (void)m;
+  TORCH_CHECK(false, "linear_panels needs AVX512-BF16 (linear_panels_available())");
+#endif
+  return out;
+}
 
 bool quant_gemm_available() {
 #if defined(HAVE_QUANT_GEMM)
@@ -2469,6 +2520,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("quant_linear", &quant_linear, NOGIL, "x @ W.T + bias, W int8 or int4 in groups of 32 (kernels.quant), x quantized to int8 (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
+  m.def("linear_panels_available", &linear_panels_available, "whether linear_panels runs here (AVX512-BF16)");
+  m.def("linear_panels", &linear_panels, NOGIL,
+        "x @ w.T + bias in bf16, w packed by kernels.linear.pack_panels, any row count (CPU)", py::arg("x"),
+        py::arg("packed"), py::arg("bias") = py::none());
   m.def("quant_gemm_available", &quant_gemm_available, "whether quant_gemm runs vectorized here (AVX512-BF16); elsewhere it is a slow portable loop");
   m.def("quant_gemm", &quant_gemm, NOGIL,
         "x @ W.T + bias for bf16 x, W int8 or int4 (kernels.quant) dequantized a panel at a time, any row count (CPU)",

@@ -456,10 +456,11 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(ext, dtype):
     layer = Linear(w)
     amx = dtype == torch.bfloat16 and ext.linear_amx_available()
     # bf16 that the CPU only emulates: the compiled kernel takes every row count. bf16 with
-    # AVX512-BF16 and no AMX: oneDNN takes every row count.
+    # AVX512-BF16 and no AMX: linear_panels takes every row count.
     emulated = dtype == torch.bfloat16 and not amx and ext.linear_small_bf16(32) and not ext.bf16_native()
-    compiled = dtype == torch.float32 or amx or emulated
-    limit = kernels.linear.AMX_ROWS if amx else kernels.ALL_ROWS if emulated else kernels.SMALL_ROWS
+    panels = dtype == torch.bfloat16 and not amx and ext.linear_panels_available()
+    compiled = dtype == torch.float32 or amx or emulated or panels
+    limit = kernels.linear.AMX_ROWS if amx else kernels.ALL_ROWS if emulated or panels else kernels.SMALL_ROWS
     assert (layer.small is not None) == compiled
     assert layer.small_rows == (limit if compiled else 0)
     for rows in (1, 40, 700, *((limit, limit + 1) if limit < 4096 else ())):
@@ -473,6 +474,8 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(ext, dtype):
     assert (layer.out_features, layer.in_features) == (64, 32)
     if emulated:  # oneDNN's copy would never be read: none is made
         assert layer.packed is None and layer.weight is w
+    elif panels:  # the panels replace the plain weights; no oneDNN copy is made
+        assert layer.weight is None and torch.equal(layer.packed, kernels.linear.pack_panels(w))
     elif dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # oneDNN's packed copy replaces the plain weights (one copy fewer held), unless asked to keep them.
         assert layer.packed is not None and layer.weight is None
@@ -483,6 +486,33 @@ def test_model_linear_takes_the_compiled_kernel_only_for_a_few_rows(ext, dtype):
     assert Linear(w.t()).small is None and Linear(w.to(torch.float16)).small is None
     # Widths neither bf16 kernel covers (AMX tiles and the 32-wide dot both need multiples of 32).
     assert Linear(torch.randn(64, 24).to(torch.bfloat16)).small is None
+
+
+def test_linear_panels_computes_x_times_the_weights_in_bf16(ext):
+    """Every row count, from a decode step's one row to a prefill chunk's hundreds, against fp32
+    sums of the same bf16 products: only the output's one rounding to bf16 differs."""
+    if not ext.linear_panels_available():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            ext.linear_panels(torch.zeros(1, 32, dtype=torch.bfloat16), kernels.linear.pack_panels(torch.zeros(32, 32, dtype=torch.bfloat16)))
+        return
+    g = gen(11)
+    for n, k in [(32, 32), (96, 64), (960, 576), (64, 1536)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        packed = kernels.linear.pack_panels(w)
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        for rows in (1, 2, 5, 12, 13, 40, 300):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            want = F.linear(x.float(), w.float(), bias.float())
+            got = ext.linear_panels(x, packed, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-3 * want.abs().max()).all(), (n, k, rows)
+            assert torch.equal(ext.linear_panels(x, packed), ext.linear_panels(x, packed, torch.zeros_like(bias)))
+    x3 = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)  # leading dimensions kept
+    assert ext.linear_panels(x3, kernels.linear.pack_panels(torch.ones(32, 64, dtype=torch.bfloat16))).shape == (2, 3, 32)
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.linear_panels(torch.zeros(2, 32, dtype=torch.bfloat16), kernels.linear.pack_panels(torch.zeros(32, 64, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        kernels.linear.pack_panels(torch.zeros(48, 64, dtype=torch.bfloat16))
 
 
 def test_a_bf16_row_comes_out_the_same_whatever_the_step_size():

@@ -104,7 +104,9 @@ class Linear:
     for frozen CPU models) ran SmolLM2's matmuls faster than `F.linear`: 1.5-2.5x in
     bf16 on an AVX512-BF16 Xeon (lm_head at 64 tokens: 3.1 ms vs 7.8 ms), and in fp32
     on an AVX2 EPYC 1.1-1.8x for the layers and 2.4x for lm_head (35 ms vs 85 ms at
-    64 tokens), where `F.linear` ran the tall, thin lm_head at 43 GFLOP/s.
+    64 tokens), where `F.linear` ran the tall, thin lm_head at 43 GFLOP/s. Where a compiled
+    kernel takes every row count (bf16 with AVX512-BF16 and no AMX: `linear_panels`; bf16
+    only emulated: `linear_small`), no oneDNN copy is made (kernels/linear.py).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False, few_rows: bool = True,
@@ -112,6 +114,15 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        # bf16 where the CPU dots it natively (no AMX): one compiled kernel at every row count,
+        # over the weights packed into panels, which replace the plain ones (kernels.linear).
+        panels = kernels.panel_linear_for(weight, kernels_choice) if few_rows else None
+        if panels is not None:
+            self.packed, self.small = panels
+            self.small_rows = kernels.ALL_ROWS
+            if not keep_weight:
+                self.weight = None
+            return
         # A step of a few tokens streams the weights: a kernel that reads them at full speed
         # (on a CPU that emulates bf16, it takes every row count).
         few = kernels.small_linear_for(weight, kernels_choice) if few_rows else None
