@@ -67,3 +67,14 @@ def test_greedy_in_a_preempted_batch_of_32_is_token_identical(speculating, smoll
     assert stats.spec_accepted_tokens > 0
     assert stats.preemptions > 0, "the small cache was meant to force preemption"
     assert stats.blocks_free == stats.blocks_total
+
+
+def test_greedy_alone_is_token_identical_in_the_dtype_the_engine_serves_in(chat_prompt_ids):
+    """bf16 where the CPU has AVX-512 (fp32 elsewhere, as the tests above run): each row of a
+    verifying pass must get the bits its decode step would, from the linears too."""
+    engine = LLMEngine.from_config(EngineConfig(enable_prefix_caching=False, kv_cache_bytes=1 << 26))
+    plain = [engine.generate([ids], GREEDY_64)[0].token_ids for ids in chat_prompt_ids]
+    spec = LLMEngine(EngineConfig(enable_prefix_caching=False, kv_cache_bytes=1 << 26, speculative="ngram",
+                                  speculative_adaptive=False), engine.loaded)
+    assert [spec.generate([ids], GREEDY_64)[0].token_ids for ids in chat_prompt_ids] == plain
+    assert spec.stats().spec_accepted_tokens > 0
