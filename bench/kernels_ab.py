@@ -6,7 +6,8 @@ changes are worth, so two runs at different times cannot tell them apart. Here b
 load into one process and take turns on the same inputs, and the medians are compared.
 Workloads, where both builds have the op: decode attention over 30 layers' caches (64
 sequences of 32-500 tokens, and 16), and SmolLM2's four layer linears over 30 layers at
-1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small), int4
+1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small, and
+linear_panels in bf16 where the CPU dots bf16 without AMX), int4
 `quant_linear` over the same linears at 1, 2 and 5 rows (a decode, and a verifying pass of 4
 speculative tokens), and in bf16 where the CPU dots bf16, int8 `quant_gemm` at 1-64 rows (a
 batch's decode steps).
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kernels import cpu_ext, quant  # noqa: E402
-from kernels.linear import pack_amx  # noqa: E402
+from kernels.linear import pack_amx, pack_panels  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -78,6 +79,14 @@ def linear_workload(dtype: torch.dtype, rows: int, amx: bool):
     return lambda ext: [ext.linear_small(x, w) for layer in weights for x, w in zip(xs, layer)]
 
 
+def panels_workload(rows: int):
+    """linear_panels (bf16 where the CPU dots it natively, no AMX) over SmolLM2's four layer
+    linears, 30 layers, each weight packed as the engine packs it."""
+    panels = [[pack_panels((torch.randn(n, k) * 0.02).to(torch.bfloat16)) for n, k in LINEARS] for _ in range(LAYERS)]
+    xs = [torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS]
+    return lambda ext: [ext.linear_panels(x, p) for layer in panels for x, p in zip(xs, layer)]
+
+
 def quant_workload(dtype: torch.dtype, rows: int, op: str = "quant_linear", bits: int = 4):
     """`op` (quant_linear, quant_gemm) over SmolLM2's four layer linears, 30 layers, the
     weights at `bits` in groups of 32."""
@@ -107,6 +116,9 @@ def main() -> None:
         if amx or (both("linear_small") and (dtype == torch.float32 or all(b.linear_small_bf16(576) for b in builds.values()))):
             name = "linear_amx" if amx else "linear_small"
             workloads += [(f"{name}, {r} rows", linear_workload(dtype, r, amx)) for r in (1, 16, 64)]
+        if (dtype == torch.bfloat16 and not amx and both("linear_panels")
+                and all(b.linear_panels_available() for b in builds.values())):
+            workloads += [(f"linear_panels, {r} rows", panels_workload(r)) for r in (1, 16, 64)]
         if both("quant_linear"):
             workloads += [(f"quant_linear int4, {r} rows", quant_workload(dtype, r)) for r in (1, 2, 5)]
         if dtype == torch.bfloat16 and both("quant_gemm") and all(b.quant_gemm_available() for b in builds.values()):
