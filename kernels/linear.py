@@ -70,14 +70,19 @@ def pack_amx(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
 
 
-def _amx_module(weight: torch.Tensor, choice: str):
-    """The extension, where linear_amx takes this weight: CPU, bf16, both sizes multiples of
-    32, AMX usable, the kernels choice auto or cpu; else None."""
+def _bf16_module(weight: torch.Tensor, choice: str):
+    """The extension, where a compiled bf16 kernel may take this weight: CPU, bf16, a contiguous
+    [out, in] with both sizes multiples of 32, the kernels choice auto or cpu; else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
         return None
     if check_choice(choice) not in ("auto", "cpu") or weight.shape[0] % 32 or weight.shape[1] % 32:
         return None
-    module = cpu_ext.load()
+    return cpu_ext.load()
+
+
+def _amx_module(weight: torch.Tensor, choice: str):
+    """The extension, where linear_amx takes this weight (_bf16_module's and AMX usable); else None."""
+    module = _bf16_module(weight, choice)
     return module if module is not None and module.linear_amx_available() else None
 
 
@@ -107,11 +112,7 @@ def panel_linear_for(weight: torch.Tensor, choice: str = "auto") -> tuple[torch.
     """(the weight packed by pack_panels, run(x, bias)) where `linear_panels` takes this weight
     at every row count: CPU, bf16, both sizes multiples of 32, AVX512-BF16 without AMX (AMX
     keeps linear_amx), the kernels choice auto or cpu; else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
-        return None
-    if check_choice(choice) not in ("auto", "cpu") or weight.shape[0] % 32 or weight.shape[1] % 32:
-        return None
-    module = cpu_ext.load()
+    module = _bf16_module(weight, choice)
     if module is None or not module.linear_panels_available() or module.linear_amx_available():
         return None
     packed = pack_panels(weight)

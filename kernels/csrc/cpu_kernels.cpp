@@ -2414,7 +2414,6 @@ static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const vo
   });
 }
 
-
 // linear_panels: out = x @ W.T (+ bias) for bf16 x and W where the CPU dots bf16 natively
 // (AVX512-BF16), W packed once by kernels.linear.pack_panels into the layout quant_gemm
 // dequantizes its panels into: [out / 32][in / 2][32] pairs of bf16, each panel of 32 outputs
@@ -2432,14 +2431,6 @@ static void linear_panels_kernel(const at::BFloat16* x, const uint32_t* packed, 
 }
 
 #endif
-
-bool linear_panels_available() {
-#if defined(HAVE_QUANT_GEMM)
-  return true;
-#else
-  return false;
-#endif
-}
 
 torch::Tensor linear_panels(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear_panels takes bf16");
@@ -2468,6 +2459,9 @@ bool quant_gemm_available() {
   return false;
 #endif
 }
+
+// The same build condition as quant_gemm: linear_panels runs quant_gemm's tile.
+bool linear_panels_available() { return quant_gemm_available(); }
 
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                          c10::optional<torch::Tensor> bias, int64_t bits) {
