@@ -9,7 +9,8 @@ sequences of 32-500 tokens, and 16), and SmolLM2's four layer linears over 30 la
 1, 16 and 64 rows (linear_amx in bf16 where AMX is usable, else linear_small, and
 linear_panels in bf16 where the CPU dots bf16 without AMX), int4
 `quant_linear` over the same linears at 1, 2 and 5 rows (a decode, and a verifying pass of 4
-speculative tokens), and in bf16 where the CPU dots bf16, int8 `quant_gemm` at 1-64 rows (a
+speculative tokens; again with the weights interleaved by 8 rows where both builds take them),
+and in bf16 where the CPU dots bf16, int8 `quant_gemm` at 1-64 rows (a
 batch's decode steps).
 
     .venv/bin/python bench/kernels_ab.py [--base HEAD] [--dtype bfloat16] [--reps 8]   # ~2 minutes
@@ -87,11 +88,15 @@ def panels_workload(rows: int):
     return lambda ext: [ext.linear_panels(x, p) for layer in panels for x, p in zip(xs, layer)]
 
 
-def quant_workload(dtype: torch.dtype, rows: int, op: str = "quant_linear", bits: int = 4):
+def quant_workload(dtype: torch.dtype, rows: int, op: str = "quant_linear", bits: int = 4, interleaved: bool = False):
     """`op` (quant_linear, quant_gemm) over SmolLM2's four layer linears, 30 layers, the
-    weights at `bits` in groups of 32."""
+    weights at `bits` in groups of 32 (int4 interleaved by 8 rows, as AVX2 CPUs hold them)."""
     weights = [[quant.quantize(torch.randn(n, k) * 0.02, bits) for n, k in LINEARS] for _ in range(LAYERS)]
     xs = [torch.randn(rows, k).to(dtype) for _, k in LINEARS]
+    if interleaved:
+        weights = [[quant.interleave(q) for q in layer] for layer in weights]
+        return lambda ext: [ext.quant_linear(x, q.qweight, q.scales, q.mins, None, bits, True)
+                            for layer in weights for x, q in zip(xs, layer)]
     return lambda ext: [getattr(ext, op)(x, q.qweight, q.scales, q.mins, None, bits)
                         for layer in weights for x, q in zip(xs, layer)]
 
@@ -121,6 +126,9 @@ def main() -> None:
             workloads += [(f"linear_panels, {r} rows", panels_workload(r)) for r in (1, 16, 64)]
         if both("quant_linear"):
             workloads += [(f"quant_linear int4, {r} rows", quant_workload(dtype, r)) for r in (1, 2, 5)]
+        if both("quant_linear") and all("interleaved" in b.quant_linear.__doc__ for b in builds.values()):
+            workloads += [(f"quant_linear int4 interleaved, {r} rows", quant_workload(dtype, r, interleaved=True))
+                          for r in (1, 2, 5)]
         if dtype == torch.bfloat16 and both("quant_gemm") and all(b.quant_gemm_available() for b in builds.values()):
             workloads += [(f"quant_gemm int8, {r} rows", quant_workload(dtype, r, "quant_gemm", 8)) for r in (1, 4, 16, 32, 64)]
         print(f"# base {args.base} vs working tree, {dtype}, {torch.get_num_threads()} threads, {args.reps} turns each")

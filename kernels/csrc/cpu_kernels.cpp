@@ -1682,6 +1682,97 @@ static inline void int4_dot_rows(const int8_t* xq, const float* xd, const float*
 #endif
 }
 
+// int4 interleaved by 8 weight rows (kernels.quant.interleave): a block of 8 rows, group by group,
+// 128 bytes a group: 4 vectors of 32 bytes, vector p's bytes 4i..4i+3 holding row i's weights
+// 4p..4p+3 of the group in their low nibbles and 4(p+4)..4(p+4)+3 in their high ones; d and m
+// [block][group][8]. Lane i of every vector is then row i: a group's 8 steps of 4 inputs are one
+// unsigned-by-signed byte dot each, against 4 bytes of x broadcast, and 8 rows' dots end in one
+// vector that takes the 8 rows' scales as they lie. Against int4_dot_rows' form (4 rows of 32
+// bytes each, summed across lanes at the end) a 32-input dot takes ~4 instructions where it
+// took ~11, and SmolLM2's one-row linears were compute-bound there (a 2-row pass took 1.7x a
+// 1-row one on a 2-core Zen 3 EPYC).
+// out[j] = sum over groups, in order, of dot * (d * xd) + m * xs: the same operations for a row of
+// x whatever rows are beside it, so its 8 outputs have the same bits in any batch.
+static constexpr int64_t X8_ROWS = 8, X8_GROUP_BYTES = 128;
+
+template <int XS>
+static inline void int4_x8_block(const int8_t* xq, const float* xd, const float* xs, int64_t k, const uint8_t* w,
+                                 const at::Half* d, const at::Half* mn, float out[][X8_ROWS]) {
+  const int64_t groups = k / 32;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 acc[XS];
+  for (int j = 0; j < XS; ++j) acc[j] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * X8_GROUP_BYTES;
+    __m256i v[8];
+    for (int p = 0; p < 4; ++p) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+      v[p] = _mm256_and_si256(b, nibble);
+      v[p + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * X8_ROWS)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * X8_ROWS)));
+#pragma GCC unroll 4
+    for (int j = 0; j < XS; ++j) {
+      const int8_t* xg = xq + j * k + g * 32;
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+      __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        int32_t four;
+        std::memcpy(&four, xg + 4 * t, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        s = _mm256_dpbusd_epi32(s, v[t], _mm256_set1_epi32(four));
+#else
+        s = _mm256_dpbusd_avx_epi32(s, v[t], _mm256_set1_epi32(four));
+#endif
+      }
+#else
+      // Each int16 lane: 8 pair sums of u <= 15 by |s| <= 127, at most 8 * 3,810 = 30,480: no
+      // overflow before the one widening madd.
+      __m256i part[2];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        int32_t four;
+        std::memcpy(&four, xg + 4 * t, 4);
+        const __m256i p = _mm256_maddubs_epi16(v[t], _mm256_set1_epi32(four));
+        part[t & 1] = t < 2 ? p : _mm256_add_epi16(part[t & 1], p);
+      }
+      const __m256i s = _mm256_madd_epi16(_mm256_add_epi16(part[0], part[1]), ones);
+#endif
+      // The group's term whole, then one add to the row's sum: the chain across groups is an
+      // add, not two FMAs.
+      const int64_t at = j * groups + g;
+      const __m256 term = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[at]),
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(xd[at]))));
+      acc[j] = _mm256_add_ps(acc[j], term);
+    }
+  }
+  for (int j = 0; j < XS; ++j) _mm256_storeu_ps(out[j], acc[j]);
+#else
+  for (int j = 0; j < XS; ++j)
+    for (int i = 0; i < X8_ROWS; ++i) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* wg = w + g * X8_GROUP_BYTES;
+        int dot = 0;
+        for (int c = 0; c < 32; ++c) {
+          const int step = c / 4, byte = wg[32 * (step % 4) + 4 * i + c % 4];
+          dot += (step < 4 ? byte & 0x0F : byte >> 4) * xq[j * k + g * 32 + c];
+        }
+        const int64_t at = j * groups + g;
+        total += std::fma(static_cast<float>(mn[g * X8_ROWS + i]), xs[at],
+                          static_cast<float>(dot) * (static_cast<float>(d[g * X8_ROWS + i]) * xd[at]));
+      }
+      out[j][i] = total;
+    }
+#endif
+}
+
 // The minimums' term of an int8 row's dot, sum over groups of m[g] * xs[g], compiled once: folded
 // into int8_dot_rows' loop, -ffast-math let each row count's copy sum it its own way, so a row's
 // output changed with the rows beside it in the call (420 of 420 rows checked, fp32 x), and a
@@ -1759,6 +1850,18 @@ static inline void int8_dot_rows(const float* x, const float* xsum, int64_t k, c
 #endif
 }
 
+// f(std::integral_constant<int, XS>) for XS = rows (1..4): the dot kernels take x's row count as a
+// template argument, so each count's loops unroll.
+template <typename F>
+static inline void for_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // Rows of 4 weights at a time, each thread its own run of them; x's rows 4 at a time against each.
 static constexpr int64_t QUANT_PREFETCH_QUADS = 2;
 template <typename S, typename T, typename Dot>
@@ -1834,10 +1937,55 @@ static QuantCall quant_call(torch::Tensor x, const torch::Tensor& qweight, const
   return {x, bias_c, out, x.numel() / k, n, k};
 }
 
+// Blocks of 8 weight rows interleaved (int4_x8_block), each thread its own run of them; x's rows 4
+// at a time against each.
+static constexpr int64_t X8_PREFETCH_BLOCKS = 2;
+template <typename T>
+static void quant_rows_x8(int64_t m, int64_t n, int64_t k, const int8_t* xq, const float* xd, const float* xs,
+                          const uint8_t* qw, const at::Half* scales, const at::Half* mins, const T* bias, T* out) {
+  const int64_t groups = k / 32, block_bytes = groups * X8_GROUP_BYTES, block_scales = groups * X8_ROWS;
+  at::parallel_for(0, n / X8_ROWS, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (b + X8_PREFETCH_BLOCKS < end) {
+        const char* w = reinterpret_cast<const char*>(qw + (b + X8_PREFETCH_BLOCKS) * block_bytes);
+        for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(w + at, 0, 3);
+        const char* d = reinterpret_cast<const char*>(scales + (b + X8_PREFETCH_BLOCKS) * block_scales);
+        const char* mn = reinterpret_cast<const char*>(mins + (b + X8_PREFETCH_BLOCKS) * block_scales);
+        for (int64_t at = 0; at < block_scales * 2; at += 64) {
+          __builtin_prefetch(d + at, 0, 3);
+          __builtin_prefetch(mn + at, 0, 3);
+        }
+      }
+      const uint8_t* w = qw + b * block_bytes;
+      const at::Half* d = scales + b * block_scales;
+      const at::Half* mn = mins + b * block_scales;
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - i);
+        float sums[4][X8_ROWS];
+        const int8_t* qi = xq + i * k;
+        const float* di = xd + i * groups;
+        const float* si = xs + i * groups;
+        for_rows(rows, [&](auto xs_rows) { int4_x8_block<xs_rows()>(qi, di, si, k, w, d, mn, sums); });
+        for (int64_t j = 0; j < rows; ++j)
+          for (int64_t r = 0; r < X8_ROWS; ++r) {
+            const int64_t col = b * X8_ROWS + r;
+            out[(i + j) * n + col] = static_cast<T>(sums[j][r] + (bias ? to_f(bias[col]) : 0.f));
+          }
+      }
+    }
+  });
+}
+
+static void check_interleaved(int64_t bits, int64_t n, bool interleaved) {
+  TORCH_CHECK(!interleaved || (bits == 4 && n % X8_ROWS == 0),
+              "interleaved weights are int4 with out_features a multiple of 8 (kernels.quant.interleave)");
+}
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                           c10::optional<torch::Tensor> bias, int64_t bits) {
+                           c10::optional<torch::Tensor> bias, int64_t bits, bool interleaved) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "quant_linear takes fp32 or bf16 x");
   auto [xc, bias_c, out, m, n, k] = quant_call(x, qweight, scales, mins, bias, bits);
+  check_interleaved(bits, n, interleaved);
   x = xc;
   const int64_t groups = k / 32;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
@@ -1856,12 +2004,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
                                       const float* const* mr, float sums[4][4]) {
                                     const float* xi = xp + i * k;
                                     const float* si = sp + i * groups;
-                                    switch (rows) {
-                                      case 1: int8_dot_rows<1>(xi, si, k, wr, dr, mr, sums); break;
-                                      case 2: int8_dot_rows<2>(xi, si, k, wr, dr, mr, sums); break;
-                                      case 3: int8_dot_rows<3>(xi, si, k, wr, dr, mr, sums); break;
-                                      default: int8_dot_rows<4>(xi, si, k, wr, dr, mr, sums); break;
-                                    }
+                                    for_rows(rows, [&](auto xs_rows) { int8_dot_rows<xs_rows()>(xi, si, k, wr, dr, mr, sums); });
                                   });
     } else {
       auto xq = torch::empty({m, k}, x.options().dtype(torch::kChar));
@@ -1871,6 +2014,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
       const int8_t* qp = xq.data_ptr<int8_t>();
       const float* dp = xd.data_ptr<float>();
       const float* sp = xs.data_ptr<float>();
+      if (interleaved) {
+        quant_rows_x8<scalar_t>(m, n, k, qp, dp, sp, qw, scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), b,
+                                out.data_ptr<scalar_t>());
+        return;
+      }
       quant_rows<at::Half, scalar_t>(m, n, k / 2, groups, qw, scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), b,
                                      out.data_ptr<scalar_t>(),
                                      [&](int64_t i, int64_t rows, const uint8_t* const* wr, const at::Half* const* dr,
@@ -1878,12 +2026,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
                                        const int8_t* qi = qp + i * k;
                                        const float* di = dp + i * groups;
                                        const float* si = sp + i * groups;
-                                       switch (rows) {
-                                         case 1: int4_dot_rows<1>(qi, di, si, k, wr, dr, mr, sums); break;
-                                         case 2: int4_dot_rows<2>(qi, di, si, k, wr, dr, mr, sums); break;
-                                         case 3: int4_dot_rows<3>(qi, di, si, k, wr, dr, mr, sums); break;
-                                         default: int4_dot_rows<4>(qi, di, si, k, wr, dr, mr, sums); break;
-                                       }
+                                       for_rows(rows, [&](auto xs_rows) { int4_dot_rows<xs_rows()>(qi, di, si, k, wr, dr, mr, sums); });
                                      });
     }
   });
@@ -1894,24 +2037,38 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 // not native (oneDNN's GEMM over them), and for the embedding's lookups.
 // Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k): quant_dequantize's
 // fp32 copy and quant_gemm_f32's panels.
+// Interleaved int4 (int4_x8_block's layout): where row `row`'s group g lies, its 16 bytes in the
+// standard order (byte j: weight j low, j + 16 high) into `bytes`, and the index of its d and m.
+static inline int64_t x8_group(const uint8_t* qw, int64_t groups, int64_t row, int64_t g, uint8_t* bytes) {
+  const uint8_t* wg = qw + ((row / X8_ROWS) * groups + g) * X8_GROUP_BYTES + 4 * (row % X8_ROWS);
+  // Vector p's 4 bytes hold weights 4p.. (low) and 4p + 16.. (high): the standard byte 4p + c.
+  for (int p = 0; p < 4; ++p) std::memcpy(bytes + 4 * p, wg + 32 * p, 4);
+  return ((row / X8_ROWS) * groups + g) * X8_ROWS + row % X8_ROWS;
+}
+
 static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k,
-                             int64_t c0, int64_t cols, float* buf) {
+                             int64_t c0, int64_t cols, float* buf, bool interleaved = false) {
   const int64_t groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
+  alignas(16) uint8_t gathered[16];
   for (int64_t r = 0; r < cols; ++r) {
     const int64_t row = c0 + r;
-    const uint8_t* q = qw + row * row_bytes;
     float* dst = buf + r * k;
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = row * groups + g;
+      // The group's bytes (32 of int8, 16 of int4) and its scale's index.
+      int64_t at = row * groups + g;
+      const uint8_t* p = qw + row * row_bytes + g * (bits == 8 ? 32 : 16);
+      if (interleaved) {
+        at = x8_group(qw, groups, row, g, gathered);
+        p = gathered;
+      }
       const float d = bits == 8 ? static_cast<const float*>(scales)[at] : static_cast<float>(static_cast<const at::Half*>(scales)[at]);
       const float base = bits == 8 ? static_cast<const float*>(mins)[at] : static_cast<float>(static_cast<const at::Half*>(mins)[at]);
 #if defined(__AVX2__) && defined(__FMA__)
       const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(base);
       if (bits == 8) {
-        const uint8_t* p = q + g * 32;
         for (int c = 0; c < 32; c += 8) _mm256_storeu_ps(dst + g * 32 + c, _mm256_fmadd_ps(widen8(p + c), dv, mv));
       } else {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         const __m128i low = _mm_set1_epi8(0x0F);
         alignas(16) uint8_t levels[32];
         _mm_store_si128(reinterpret_cast<__m128i*>(levels), _mm_and_si128(b, low));
@@ -1919,7 +2076,6 @@ static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* 
         for (int c = 0; c < 32; c += 8) _mm256_storeu_ps(dst + g * 32 + c, _mm256_fmadd_ps(widen8(levels + c), dv, mv));
       }
 #else
-      const uint8_t* p = bits == 8 ? q + g * 32 : q + g * 16;
       for (int c = 0; c < 32; ++c) {
         const int level = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
         dst[g * 32 + c] = std::fma(d, static_cast<float>(level), base);
@@ -1930,27 +2086,31 @@ static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* 
 }
 
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                               int64_t in_features, at::ScalarType dtype) {
+                               int64_t in_features, at::ScalarType dtype, bool interleaved) {
   const int64_t k = in_features;
   check_quantized(qweight, scales, mins, bits, k);
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "quant_dequantize gives fp32 or bf16");
   const int64_t n = qweight.size(0), groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
+  check_interleaved(bits, n, interleaved);
   auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   if (dtype == torch::kFloat) {
     float* o = out.data_ptr<float>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k);
+      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k, interleaved);
     });
     return out;
   }
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, n * groups, 512, [&](int64_t begin, int64_t end) {
+    alignas(16) uint8_t gathered[16];
     for (int64_t g = begin; g < end; ++g) {
       const int64_t row = g / groups, col = g % groups;
-      const float d = bits == 8 ? scales.data_ptr<float>()[g] : static_cast<float>(scales.data_ptr<at::Half>()[g]);
-      const float base = bits == 8 ? mins.data_ptr<float>()[g] : static_cast<float>(mins.data_ptr<at::Half>()[g]);
       const uint8_t* p = qw + row * row_bytes + col * (bits == 8 ? 32 : 16);
+      const int64_t at = interleaved ? x8_group(qw, groups, row, col, gathered) : g;
+      if (interleaved) p = gathered;
+      const float d = bits == 8 ? scales.data_ptr<float>()[at] : static_cast<float>(scales.data_ptr<at::Half>()[at]);
+      const float base = bits == 8 ? mins.data_ptr<float>()[at] : static_cast<float>(mins.data_ptr<at::Half>()[at]);
       at::BFloat16* dst = o + g * 32;
       for (int c = 0; c < 32; ++c) {
         const int q = bits == 8 ? p[c] : (c < 16 ? p[c] & 0x0F : p[c - 16] >> 4);
@@ -1979,9 +2139,10 @@ static uint32_t* scratch(int64_t words) {
 static constexpr int64_t QUANT_F32_PANEL = 64;
 
 torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                             c10::optional<torch::Tensor> bias, int64_t bits) {
+                             c10::optional<torch::Tensor> bias, int64_t bits, bool interleaved) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "quant_gemm_f32 takes fp32 x");
   auto [xc, bias_c, out, m, n, k] = quant_call(x, qweight, scales, mins, bias, bits);
+  check_interleaved(bits, n, interleaved);
   x = xc;
   const auto x2 = x.view({m, k});
   auto out2 = out.view({m, n});
@@ -1994,7 +2155,7 @@ torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tens
     float* buf = reinterpret_cast<float*>(scratch<3>(QUANT_F32_PANEL * k));
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t c0 = panel * QUANT_F32_PANEL, cols = std::min(QUANT_F32_PANEL, n - c0);
-      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, c0, cols, buf);
+      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, c0, cols, buf, interleaved);
       const auto w = torch::from_blob(buf, {cols, k}, x.options());
       // Inside the parallel region ATen's GEMM runs on this thread alone; out's columns
       // [c0, c0 + cols) are a matrix of leading dimension n, written where they lie.
@@ -2475,7 +2636,7 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 #else
   // Portable: the same bf16 weights, dotted in fp32 a row at a time (for the tests; the engine
   // takes this op only where quant_gemm_available()).
-  auto w = quant_dequantize(qweight, scales, mins, bits, k, torch::kBFloat16);
+  auto w = quant_dequantize(qweight, scales, mins, bits, k, torch::kBFloat16, false);
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
@@ -2513,7 +2674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small", &linear_small, NOGIL, "x @ w.T + bias for a few rows of x, fp32 or bf16 (CPU)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
   m.def("quant_linear", &quant_linear, NOGIL, "x @ W.T + bias, W int8 or int4 in groups of 32 (kernels.quant), x quantized to int8 (CPU)",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"),
+        py::arg("interleaved") = false);
   m.def("linear_panels_available", &linear_panels_available, "whether linear_panels runs here (AVX512-BF16)");
   m.def("linear_panels", &linear_panels, NOGIL,
         "x @ w.T + bias in bf16, w packed by kernels.linear.pack_panels, any row count (CPU)", py::arg("x"),
@@ -2524,7 +2686,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
   m.def("quant_gemm_f32", &quant_gemm_f32, NOGIL,
         "x @ W.T + bias for fp32 x, W int8 or int4 (kernels.quant) dequantized a panel at a time into ATen's GEMM (CPU)",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"),
+        py::arg("interleaved") = false);
   m.def("quant_dequantize", &quant_dequantize, NOGIL, "int8 or int4 weights (kernels.quant) back in fp32 or bf16 (CPU)",
-        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("in_features"), py::arg("dtype"));
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("in_features"), py::arg("dtype"),
+        py::arg("interleaved") = false);
 }

@@ -50,6 +50,71 @@ def test_the_kernel_computes_what_its_reference_does(compiled, bits, dtype, rows
         assert (got - want).abs().max() <= tolerance * want.abs().max(), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 32])
+def test_int4_interleaved_by_8_rows_computes_what_its_reference_does(compiled, dtype, rows):
+    """The interleaved layout's kernel: the same integer dots, each block of 8 outputs in one vector."""
+    g = torch.Generator().manual_seed(rows * 10 + 1)
+    for n, k in [(8, 32), (16, 96), (96, 64), (576, 576), (64, 1536)]:  # one block, a few groups, real widths
+        qw = quant.quantize(torch.randn(n, k, generator=g) * 0.05, 4)
+        rows_form = quant.interleave(qw)
+        assert rows_form.interleaved and rows_form.nbytes == qw.nbytes
+        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype)
+        got = compiled.quant_linear(x, rows_form.qweight, rows_form.scales, rows_form.mins, bias, 4, True).float()
+        # The row-by-row kernel quantizes x as this one does (the reference can round a value
+        # that lies on a level's edge the other way: one level of x, ~5e-4 of the output here).
+        want = compiled.quant_linear(x, qw.qweight, qw.scales, qw.mins, bias, 4).float()
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), (n, k)
+        reference = quant.quant_linear_reference(x, rows_form, bias).float()
+        assert (got - reference).abs().max() <= max(tolerance, 1e-3) * reference.abs().max(), (n, k)
+        # Read as if not interleaved, the bytes give another answer: the flag is what makes it right.
+        wrong = compiled.quant_linear(x, rows_form.qweight, rows_form.scales, rows_form.mins, bias, 4).float()
+        assert (wrong - want).abs().max() > 0.1 * want.abs().max()
+
+
+def test_interleaving_keeps_the_weights_and_every_reader_agrees(compiled):
+    """dequantize (C++ fp32 and bf16, and PyTorch), embedding rows and quant_gemm_f32's panels
+    read the interleaved form as the weights it came from."""
+    g = torch.Generator().manual_seed(11)
+    qw = quant.quantize(torch.randn(200, 96, generator=g) * 0.05, 4)
+    mixed = quant.interleave(qw)
+    assert torch.equal(quant.deinterleave(mixed).qweight, qw.qweight)
+    assert torch.equal(quant.deinterleave(mixed).scales, qw.scales) and torch.equal(quant.deinterleave(mixed).mins, qw.mins)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(quant.dequantize(mixed, dtype), quant.dequantize(qw, dtype))
+    assert torch.equal(quant._levels(mixed), quant._levels(qw))
+    ids = torch.tensor([0, 7, 8, 199, 100, 7])
+    assert torch.equal(quant.dequantize_rows(mixed, ids, torch.float32), quant.dequantize_rows(qw, ids, torch.float32))
+    x = torch.randn(quant.KERNEL_ROWS + 9, 96, generator=g)
+    bias = torch.randn(200, generator=g)
+    assert torch.equal(compiled.quant_gemm_f32(x, mixed.qweight, mixed.scales, mixed.mins, bias, 4, True),
+                       compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, bias, 4))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.interleave(quant.quantize(torch.randn(12, 32, generator=g), 4))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        compiled.quant_linear(x[:1, :32], qw.qweight[:12, :16].contiguous(), qw.scales[:12, :1].contiguous(),
+                              qw.mins[:12, :1].contiguous(), None, 4, True)
+
+
+def test_an_int4_layer_interleaves_its_weights_where_no_quant_gemm_takes_them(compiled):
+    """Where quant_gemm (which reads rows as they lie) takes int4 past a few rows, the weights
+    stay as they are; elsewhere (AVX2, fp32 engines) the layer holds them interleaved, and only
+    so, and computes what the reference does at every row count."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(64, 96, generator=g) * 0.05
+    layer = quant.QuantLinear(quant.quantize(w, 4))
+    assert layer.qw.interleaved == (not compiled.quant_gemm_available())
+    assert not quant.QuantLinear(quant.quantize(w[:60], 4)).qw.interleaved  # not a multiple of 8 rows
+    assert not quant.QuantLinear(quant.quantize(w, 8)).qw.interleaved
+    for rows in (1, 5, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1):
+        x = torch.randn(rows, 96, generator=g)
+        want = quant.quant_linear_reference(x, layer.qw) if rows <= quant.KERNEL_ROWS or layer.gemm \
+            else x @ quant.dequantize(layer.qw).T
+        assert torch.allclose(layer(x), want, atol=1e-5), rows
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 40, 200])
 def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, bits, rows):
@@ -67,17 +132,20 @@ def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, b
                            compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, torch.zeros_like(bias), bits))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits, interleaved", [(8, False), (4, False), (4, True)], ids=["int8", "int4", "int4-x8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(compiled, bits, dtype):
+def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(compiled, bits, interleaved, dtype):
     """A decode step's row and the same row in a speculative verifying pass (or beside other
     sequences' rows) must come out alike: the kernel takes x 4 rows at a time and the rest 1-3."""
     g = torch.Generator().manual_seed(bits)
-    qw = quant.quantize(torch.randn(577, 576, generator=g) * 0.05, bits)
+    qw = quant.quantize(torch.randn(576 if interleaved else 577, 576, generator=g) * 0.05, bits)
+    if interleaved:
+        qw = quant.interleave(qw)
     x = (torch.randn(32, 576, generator=g) * 3).to(dtype)
-    alone = [compiled.quant_linear(x[i:i + 1].clone(), qw.qweight, qw.scales, qw.mins, None, bits) for i in range(32)]
+    alone = [compiled.quant_linear(x[i:i + 1].clone(), qw.qweight, qw.scales, qw.mins, None, bits, interleaved)
+             for i in range(32)]
     for size in (2, 3, 4, 5, 9, 32):
-        got = compiled.quant_linear(x[:size].clone(), qw.qweight, qw.scales, qw.mins, None, bits)
+        got = compiled.quant_linear(x[:size].clone(), qw.qweight, qw.scales, qw.mins, None, bits, interleaved)
         assert torch.equal(got, torch.cat(alone[:size])), size
 
 
@@ -111,8 +179,8 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_
             x = torch.randn(rows, 96, generator=g).bfloat16()
             gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits)
             if not compiled.quant_gemm_available():
-                want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits) if rows <= quant.KERNEL_ROWS \
-                    else F.linear(x, quant.dequantize(qw, torch.bfloat16))
+                want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved) \
+                    if rows <= quant.KERNEL_ROWS else F.linear(x, quant.dequantize(qw, torch.bfloat16))
             elif bits == 8 or rows > int4_rows:
                 want = gemm
             else:
