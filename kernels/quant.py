@@ -34,10 +34,13 @@ int4 weights interleaved by 8 output rows (`interleave`: the same bytes and scal
 once at load), so the kernel dots 8 rows in one vector and applies their scales as they lie:
 SmolLM2's layers and LM head took 0.66-0.83x the row-by-row form's time at one row and
 0.41-0.53x at 5-32 rows on a 2-core Zen 3 EPYC, and batch-1 int4 decode there went from level
-with llama.cpp to 1.26x it (paired). Every reader of the weights (dequantize, the embedding's
-rows, quant_gemm_f32) takes the flag.
-Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), rows past
-`KERNEL_ROWS` take `quant_gemm_f32`: 64 weight rows at a time dequantized into a buffer that
+with llama.cpp to 1.26x it (paired). It takes every row count (0.75x the fp32 engine's layers
+even at 128-2,048 rows: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), so
+there a row's int4 output no longer depends on the batch. Every reader of the weights
+(dequantize, the embedding's rows, quant_gemm_f32) takes the flag.
+Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
+past `QuantRows.int8` (INT8_LINEAR_ROWS, raised like int4's for a verifying pass) and int4
+rows past `KERNEL_ROWS` where not interleaved take `quant_gemm_f32`: 64 weight rows at a time dequantized into a buffer that
 stays in L2, times x by ATen's GEMM. Over SmolLM2's layers on a 2-core Zen 1 EPYC (AVX2) it
 ran 1.1-1.8x the fp32 GEMM at 33-256 rows (it reads a byte or half a byte a weight where fp32
 reads four), where dequantizing each layer whole into a fresh copy ran 0.7-0.8x.
@@ -51,6 +54,7 @@ Q4_1 x Q8_1 does), takes integer dots and applies the scales per group.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +78,12 @@ KERNEL_ROWS = 32
 # quant_gemm's: 0.40x at 1 row, 0.86x at 5, 1.18x at 9, 1.57x at 17, 1.91x at 32 (at 32, a
 # prompt's prefill took twice the time it needed).
 INT4_LINEAR_ROWS = 8
+# int8 where there is no quant_gemm and x is fp32 (AVX2): quant_linear up to this many rows,
+# quant_gemm_f32 past it. SmolLM2's 30 layers on a 2-core Zen 3 EPYC, time over the fp32
+# engine's: quant_linear 0.57x at 2 rows, 1.08x at 6 and 8, 1.21x at 16, 1.56x at 32 (it widens
+# each weight to fp32 once per 4 rows of x); quant_gemm_f32 1.33x at 6, 1.00x at 8 and 16,
+# 0.90x at 32.
+INT8_LINEAR_ROWS = 7
 
 
 @dataclass
@@ -82,6 +92,7 @@ class QuantRows:
     so the engine can set them for the model it was handed (`LlamaModel.verify_rows`)."""
 
     int4: int = INT4_LINEAR_ROWS
+    int8: int = INT8_LINEAR_ROWS
 
 
 @dataclass(frozen=True)
@@ -340,8 +351,18 @@ class QuantLinear:
         if self.gemm and x.dtype == torch.bfloat16 and (self.qw.bits == 8 or rows > self.rows.int4):
             return self.module.quant_gemm(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
         qw = self.qw
-        if self.module is not None and rows <= KERNEL_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        if self.module is not None and rows <= self._linear_rows(x) and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, self.bias, qw.bits, qw.interleaved)
         if self.module is not None and x.dtype == torch.float32:
             return self.module.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, self.bias, qw.bits, qw.interleaved)
         return F.linear(x, dequantize(qw, x.dtype), self.bias)
+
+    def _linear_rows(self, x: torch.Tensor) -> float:
+        """Rows up to which quant_linear takes x where quant_gemm does not. Interleaved int4 at
+        every count: its integer dots ran 0.32-0.75x the fp32 engine's layers at 4-2,048 rows
+        on a 2-core Zen 3 EPYC, where quant_gemm_f32 ran 1.04-1.58x."""
+        if self.qw.interleaved:
+            return math.inf
+        if self.qw.bits == 8 and not self.gemm and x.dtype == torch.float32:
+            return self.rows.int8
+        return KERNEL_ROWS

@@ -101,18 +101,21 @@ def test_interleaving_keeps_the_weights_and_every_reader_agrees(compiled):
 def test_an_int4_layer_interleaves_its_weights_where_no_quant_gemm_takes_them(compiled):
     """Where quant_gemm (which reads rows as they lie) takes int4 past a few rows, the weights
     stay as they are; elsewhere (AVX2, fp32 engines) the layer holds them interleaved, and only
-    so, and computes what the reference does at every row count."""
+    so, and its integer kernel takes every row count (a prefill's too)."""
     g = torch.Generator().manual_seed(12)
     w = torch.randn(64, 96, generator=g) * 0.05
     layer = quant.QuantLinear(quant.quantize(w, 4))
     assert layer.qw.interleaved == (not compiled.quant_gemm_available())
     assert not quant.QuantLinear(quant.quantize(w[:60], 4)).qw.interleaved  # not a multiple of 8 rows
     assert not quant.QuantLinear(quant.quantize(w, 8)).qw.interleaved
-    for rows in (1, 5, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1):
+    qw = layer.qw
+    for rows in (1, 5, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 300):
         x = torch.randn(rows, 96, generator=g)
-        want = quant.quant_linear_reference(x, layer.qw) if rows <= quant.KERNEL_ROWS or layer.gemm \
-            else x @ quant.dequantize(layer.qw).T
-        assert torch.allclose(layer(x), want, atol=1e-5), rows
+        if qw.interleaved or rows <= quant.KERNEL_ROWS:
+            want = compiled.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, 4, qw.interleaved)
+        else:
+            want = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, None, 4)
+        assert torch.equal(layer(x), want), rows
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -180,7 +183,7 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_
             gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits)
             if not compiled.quant_gemm_available():
                 want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved) \
-                    if rows <= quant.KERNEL_ROWS else F.linear(x, quant.dequantize(qw, torch.bfloat16))
+                    if rows <= quant.KERNEL_ROWS or qw.interleaved else F.linear(x, quant.dequantize(qw, torch.bfloat16))
             elif bits == 8 or rows > int4_rows:
                 want = gemm
             else:
@@ -195,6 +198,7 @@ def test_an_engine_speculating_k_tokens_keeps_int4_verifying_passes_on_the_decod
     assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS
     LLMEngine(EngineConfig(num_blocks=16, block_size=4, speculative="ngram", num_speculative_tokens=12), LoadedModel(model))
     assert model.quant_rows.int4 == 13 and model.lm_head.rows is model.quant_rows
+    assert model.quant_rows.int8 == 13  # int8 in an fp32 engine switches at its own row count
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -239,15 +243,26 @@ def test_int4_puts_q4_1_weights_back_on_their_own_grid():
     assert (back - w).abs().max() <= 1e-3 * w.abs().max()
 
 
-def test_an_fp32_layer_takes_the_kernel_for_few_rows_and_dequantized_panels_for_many(compiled):
+@pytest.mark.parametrize("verify_rows", [1, 17])
+def test_an_fp32_int8_layer_takes_the_kernel_for_few_rows_and_dequantized_panels_for_many(compiled, verify_rows):
+    """Where there is no quant_gemm, int8's kernel up to QuantRows.int8 rows (it widens every
+    weight once per 4 rows of x: 1.56x the fp32 engine's time at 32 rows, on AVX2), or a
+    verifying pass's rows when more; the dequantized panels above. Where quant_gemm runs, fp32
+    x keeps the kernel up to KERNEL_ROWS."""
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05
-    layer = quant.QuantLinear(quant.quantize(w, 8))
-    few = torch.randn(quant.KERNEL_ROWS, 96)
-    many = torch.randn(quant.KERNEL_ROWS + 1, 96)
-    assert torch.allclose(layer(few), quant.quant_linear_reference(few, layer.qw), atol=1e-5)
-    assert torch.allclose(layer(many), many @ quant.dequantize(layer.qw).T, atol=1e-5)
+    rows_form = quant.QuantRows(int8=max(quant.INT8_LINEAR_ROWS, verify_rows))
+    layer = quant.QuantLinear(quant.quantize(w, 8), rows=rows_form)
+    last = quant.KERNEL_ROWS if compiled.quant_gemm_available() else rows_form.int8
+    assert quant.INT8_LINEAR_ROWS < quant.KERNEL_ROWS
     qw = layer.qw
-    assert torch.equal(layer(many), compiled.quant_gemm_f32(many, qw.qweight, qw.scales, qw.mins, None, 8))
+    for rows in sorted({1, last, last + 1, quant.KERNEL_ROWS + 1}):
+        x = torch.randn(rows, 96)
+        if rows <= last:
+            assert torch.equal(layer(x), compiled.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, 8)), rows
+            assert torch.allclose(layer(x), quant.quant_linear_reference(x, qw), atol=1e-5)
+        else:
+            assert torch.equal(layer(x), compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, None, 8)), rows
+            assert torch.allclose(layer(x), x @ quant.dequantize(qw).T, atol=1e-5)
 
 
 def test_an_unknown_quantization_is_a_config_error():
