@@ -1556,12 +1556,56 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // int4 bytes: in each group's 16 bytes, byte j holds q[j] in its low nibble and q[j + 16] in its high one.
 
 // Per row of x and group of 32: xq (int8), xd (the scale) and xs = xd * sum(xq).
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_f32(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// One group of 32: what the scalar loop below computes, with the same rounding (cvtps rounds to
+// nearest even, as nearbyint does), 8 lanes at a time: scalar, it was 5% of an interleaved int4
+// prefill's linear time at 512 rows.
+template <typename T>
+static inline void quantize_group(const T* src, int8_t* dst, float& d_out, float& s_out) {
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8_f32(src + 8 * i);
+    amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), amax);  // a NaN lane leaves amax, as std::max does
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float a = _mm_cvtss_f32(m4);
+  const float inv = a > 0.f ? 127.f / a : 0.f;
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  // packs work within 128-bit lanes: the dword order 0,2,1,3 afterwards restores the inputs'.
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+  d_out = a / 127.f;
+  s_out = d_out * static_cast<float>(_mm_cvtsi128_si32(t4));
+}
+#endif
+
 template <typename T>
 static void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* xd, float* xs) {
   const int64_t groups = k / 32;
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const T* src = x + g * 32;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        quantize_group(src, xq + g * 32, xd[g], xs[g]);
+        continue;
+      }
+#endif
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(src[j])));
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
