@@ -40,10 +40,11 @@ there a row's int4 output no longer depends on the batch. Every reader of the we
 (dequantize, the embedding's rows, quant_gemm_f32) takes the flag.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
 past `QuantRows.int8` (INT8_LINEAR_ROWS, raised like int4's for a verifying pass) and int4
-rows past `KERNEL_ROWS` where not interleaved take `quant_gemm_f32`: 64 weight rows at a time dequantized into a buffer that
-stays in L2, times x by ATen's GEMM. Over SmolLM2's layers on a 2-core Zen 1 EPYC (AVX2) it
-ran 1.1-1.8x the fp32 GEMM at 33-256 rows (it reads a byte or half a byte a weight where fp32
-reads four), where dequantizing each layer whole into a fresh copy ran 0.7-0.8x.
+rows past `KERNEL_ROWS` where not interleaved take `quant_gemm_f32`: 64 weight rows at a time
+dequantized into a buffer that stays in L2, times x by ATen's GEMM. Over SmolLM2's layers on a
+2-core Zen 1 EPYC (AVX2) it ran 1.1-1.8x the fp32 GEMM at 33-256 rows (it reads a byte or half
+a byte a weight where fp32 reads four), where dequantizing each layer whole into a fresh copy
+ran 0.7-0.8x.
 On CUDA, `quant_linear_triton` dequantizes each tile of the weights in registers for every row
 count (checked against the dequantized copy under the interpreter and compiled for sm_90 and
 sm_80 in the tests; not yet measured on a GPU).
@@ -163,7 +164,8 @@ def interleave(qw: QuantizedWeight) -> QuantizedWeight:
     dots 8 rows in one vector, lane by lane (kernels/csrc/cpu_kernels.cpp, int4_x8_block)."""
     n, k = qw.out_features, qw.in_features
     if qw.bits != 4 or n % INTERLEAVE or qw.interleaved:
-        raise ValueError(f"interleave takes int4 weights not yet interleaved with out_features a multiple of {INTERLEAVE}")
+        raise ValueError("interleave takes int4 weights, not yet interleaved, with out_features a multiple of "
+                         f"{INTERLEAVE}")
     groups = k // GROUP
     # Standard byte 4p + c of a group is vector p's byte 4i + c for row i.
     q = qw.qweight.view(n // INTERLEAVE, INTERLEAVE, groups, 4, 4).permute(0, 2, 3, 1, 4)
