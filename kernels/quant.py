@@ -341,8 +341,8 @@ class QuantLinear:
         # each call dequantizes a copy for cuBLAS.
         self.triton = use_triton and qw.qweight.is_cuda and _triton.available()
         self.gemm = self.module is not None and self.module.quant_gemm_available()
-        # int4's few-row kernel reads 8 rows interleaved, where no quant_gemm (which reads rows
-        # as they are) takes int4 past INT4_LINEAR_ROWS: 2026-12-06, a 2-core Zen 3 EPYC (AVX2).
+        # int4's kernel reads 8 rows interleaved (at every row count), where no quant_gemm (which
+        # reads rows as they are) takes int4 past INT4_LINEAR_ROWS: a 2-core Zen 3 EPYC (AVX2).
         if self.module is not None and not self.gemm and qw.bits == 4 and qw.out_features % INTERLEAVE == 0:
             self.qw = interleave(qw)
 

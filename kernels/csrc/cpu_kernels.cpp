@@ -2077,10 +2077,6 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
-// The weights back in `dtype`, [out_features, in_features]: for long prefill chunks where bf16 is
-// not native (oneDNN's GEMM over them), and for the embedding's lookups.
-// Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k): quant_dequantize's
-// fp32 copy and quant_gemm_f32's panels.
 // Interleaved int4 (int4_x8_block's layout): where row `row`'s group g lies, its 16 bytes in the
 // standard order (byte j: weight j low, j + 16 high) into `bytes`, and the index of its d and m.
 static inline int64_t x8_group(const uint8_t* qw, int64_t groups, int64_t row, int64_t g, uint8_t* bytes) {
@@ -2090,8 +2086,10 @@ static inline int64_t x8_group(const uint8_t* qw, int64_t groups, int64_t row, i
   return ((row / X8_ROWS) * groups + g) * X8_ROWS + row % X8_ROWS;
 }
 
+// Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k): quant_dequantize's
+// fp32 copy and quant_gemm_f32's panels.
 static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k,
-                             int64_t c0, int64_t cols, float* buf, bool interleaved = false) {
+                             int64_t c0, int64_t cols, float* buf, bool interleaved) {
   const int64_t groups = k / 32, row_bytes = bits == 8 ? k : k / 2;
   alignas(16) uint8_t gathered[16];
   for (int64_t r = 0; r < cols; ++r) {
@@ -2129,6 +2127,8 @@ static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* 
   }
 }
 
+// The weights back in `dtype`, [out_features, in_features]: for long prefill chunks where bf16 is
+// not native (oneDNN's GEMM over them), and for the embedding's lookups.
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
                                int64_t in_features, at::ScalarType dtype, bool interleaved) {
   const int64_t k = in_features;
