@@ -122,10 +122,6 @@ class EngineHost:
 
     def _load(self) -> None:
         try:
-            from inference.engine.async_engine import AsyncEngine
-            from inference.engine.engine import LLMEngine
-            from inference.engine.metrics import EngineMetrics
-
             config = engine_config()
             log.info("loading model %s (device %s, dtype %s, kernels %s)%s", config.model, config.device, config.dtype,
                      config.kernels, " in a process of its own" if settings.INFERENCE["PROCESS"] else "")
@@ -135,7 +131,11 @@ class EngineHost:
                 async_engine = EngineProcess(config)
                 async_engine.start()
                 engine = async_engine.engine
-            else:
+            else:  # the engine on a thread of this process: only here does the web process import torch
+                from inference.engine.async_engine import AsyncEngine
+                from inference.engine.engine import LLMEngine
+                from inference.engine.metrics import EngineMetrics
+
                 engine = LLMEngine.from_config(config)
                 async_engine = AsyncEngine(engine, metrics=EngineMetrics())
                 async_engine.start()

@@ -34,12 +34,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from inference.engine.engine import LLMEngine
 from inference.engine.errors import EngineError
 from inference.engine.api import EngineStats, Lane, RequestOutput, SamplingParams
 from inference.engine.metrics import EngineMetrics
 from inference.engine.sequence import Sequence
+
+# The engine (and torch) only where one is stepped: the web process imports this module for an
+# engine process's streams and never builds one.
+if TYPE_CHECKING:
+    from inference.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -578,6 +583,8 @@ class AsyncEngine:
         # Drop the old KV cache before allocating the new one, or a device briefly needs two.
         old.runner = None
         old.block_manager = None
+        from inference.engine.engine import LLMEngine
+
         self.engine = LLMEngine(old.config, old.loaded)  # the same weights, a fresh ModelRunner and cache
         self._states.clear()
         if self.metrics:

@@ -9,18 +9,24 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from inference.engine.errors import ConfigError
-from kernels.dispatch import CHOICES as KERNELS_CHOICES
+
+# torch only where the engine is built: the web process, which validates this config and hands
+# it to the engine process, never imports it.
+if TYPE_CHECKING:
+    import torch
 
 QUANTIZATIONS = ("none", "int8", "int4")
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 NGRAM_MAX = 3  # the longest suffix prompt lookup matches (inference/engine/speculative.py)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+# kernels.dispatch.CHOICES, named here too because importing the kernels package imports torch
+# (tests/engine/test_config.py holds the two equal).
+KERNELS_CHOICES = ("auto", "reference", "triton", "cpu")
 
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,8 @@ def _warn_slow_bf16() -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -58,14 +66,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if name == "auto":
         if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
             return torch.bfloat16
         return torch.float32
-    try:
-        dtype = _DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {name!r}", setting="dtype") from None
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}", setting="dtype")
+    dtype = getattr(torch, name)
     if dtype == torch.bfloat16 and device.type == "cpu" and "avx512f" not in cpu_flags():
         # The CPU kernels' bf16 paths need AVX-512 (with or without AVX512-BF16); below it
         # everything falls back to PyTorch's own bf16, which crawls. Said once per process.

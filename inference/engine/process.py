@@ -49,6 +49,7 @@ from inference.engine.async_engine import (AsyncEngine, EngineNotRunningError, R
                                            _RequestState, _resolve)
 from inference.engine.config import EngineConfig
 from inference.engine.errors import DuplicateRequestError, EngineError
+from inference.engine.request_checks import RequestChecks
 
 log = logging.getLogger(__name__)
 
@@ -318,26 +319,17 @@ class _Blocks:
         return -(-num_tokens // self.block_size)
 
 
-class EngineShape:
+class EngineShape(RequestChecks):
     """What the web tier reads of the engine without its weights: the tokenizer, the context
     length and the cache's size, with the engine's own request checks."""
 
     grammars = None  # compiled in the engine process
 
     def __init__(self, info: dict, tokenizer) -> None:
-        from inference.engine.engine import LLMEngine
-
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
         self.model_name = info["model_name"]
         self.block_manager = _Blocks(info["num_blocks"], info["block_size"])
         self.tokenizer = tokenizer
-        self._checks = LLMEngine
-
-    def check_token_ids(self, token_ids: list[int]) -> None:
-        self._checks.check_token_ids(self, token_ids)
-
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        self._checks.check_context(self, num_prompt_tokens, max_tokens)
 
 
 class _RemoteMetrics:
@@ -446,7 +438,7 @@ class EngineProcess:
         if self._supervisor is not None:
             raise RuntimeError("EngineProcess.start() called twice")
         info = self._spawn()
-        from inference.engine.loader import resolve_source
+        from inference.engine.sources import resolve_source
         from inference.engine.tokenizer import Tokenizer
 
         # After the child loaded: it converted and cached the tokenizer a GGUF carries.

@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
-import llguidance.torch as llt
 import torch
 
 from inference.engine.api import Grammar
@@ -95,13 +94,17 @@ class MaskJob:
     their own from the moment the job is made: start it before the forward pass and `wait` after."""
 
     def __init__(self, matchers: list[llguidance.LLMatcher], vocab_size: int):
-        self.bitmask = llt.allocate_token_bitmask(len(matchers), vocab_size)
+        # A bit a token, 32 a word, every bit set (all allowed) until filled. llguidance.torch has
+        # the same two helpers but compiles a kernel with torch.compile at import, which took
+        # 2.5-3 s of every engine process's start (Zen 4) for a function this engine never calls.
+        self.bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
         self.seconds = 0.0  # how long the filling took, once done
         self._future: Future = _filler.submit(self._fill, [(m, i) for i, m in enumerate(matchers)])
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]]) -> None:
         started = time.perf_counter()
-        guarded(llt.fill_next_token_bitmask_par, _executor, rows, self.bitmask)
+        words = self.bitmask.shape[1]
+        guarded(_executor.unsafe_compute_mask_ptr, rows, self.bitmask.data_ptr(), words * 4, len(rows))
         self.seconds = time.perf_counter() - started
 
     def wait(self) -> torch.Tensor:

@@ -12,17 +12,24 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from inference.engine.loader import ModelSource, cache_root, file_key
+from inference.engine.sources import ModelSource, cache_root, file_key
 
 
 def _load_hf_tokenizer(source: ModelSource, cache_dir: str | os.PathLike | None = None):
-    from transformers import AutoTokenizer
-
     if source.kind == "hf":
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(source.path))
     cached = cache_root(cache_dir) / "tokenizers" / file_key(source.path)
     if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        # The class AutoTokenizer picks for what save_pretrained wrote below, named directly:
+        # AutoTokenizer imports transformers' model configurations and with them torch (~1.3 s
+        # and ~80 MB in the web process, which tokenizes but runs no model).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent))
@@ -44,7 +51,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, source: ModelSource, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
-        """`cache_dir`: where a GGUF's converted tokenizer is kept (loader.cache_root)."""
+        """`cache_dir`: where a GGUF's converted tokenizer is kept (sources.cache_root)."""
         return cls(_load_hf_tokenizer(source, cache_dir))
 
     def encode(self, text: str) -> list[int]:

@@ -103,3 +103,9 @@ def test_a_device_this_machine_lacks_fails_the_engine_build_with_a_config_error(
 def test_a_dtype_the_engine_cannot_run_fails_the_engine_build_with_a_config_error():
     error = _config_error(lambda: LLMEngine.from_config(EngineConfig(device="cpu", dtype="int8", model="/nonexistent")))
     assert error.setting == "dtype"
+
+
+def test_the_configs_kernel_choices_are_the_kernels():
+    from kernels.dispatch import CHOICES
+
+    assert config.KERNELS_CHOICES == CHOICES  # named twice, so a config is checked without torch

@@ -128,3 +128,18 @@ def test_an_engine_process_killed_under_a_stream_errs_bills_and_comes_back(repli
         time.sleep(0.2)
     [(finish, completion)] = row
     assert finish == "error" and completion >= streamed > 0
+
+
+def test_the_web_process_beside_an_engine_process_holds_no_torch(replica):
+    # It tokenizes, checks grammars and streams; the engine process runs the model. torch in the
+    # web process cost every replica ~270 MB of RSS and ~5 s of its start (2-core Zen 4). Last in
+    # this module: its request warms the prefix cache that the thread test above counts on cold.
+    status, body = replica.post_json(OPENAI_CHAT, {"messages": [{"role": "user", "content": "Say yes in JSON."}],
+                                                   "max_tokens": 8, "response_format": {"type": "json_object"}},
+                                     replica.keys["t"])
+    assert status == 200, body
+    [engine] = engine_processes(replica)
+    web = Path(f"/proc/{engine}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    web_maps, engine_maps = Path(f"/proc/{web}/maps").read_text(), Path(f"/proc/{engine}/maps").read_text()
+    assert "libtorch" in engine_maps
+    assert "libtorch" not in web_maps
