@@ -178,11 +178,12 @@ def http_status(url: str) -> int:
         return 0
 
 
-def _database(tmp: Path, template: str | None = None) -> tuple[str, Any]:
+def _database(tmp: Path, template: str | None = None, sqlite: bool = False) -> tuple[str, Any]:
     """A database URL for the server, and how to drop it afterwards; a copy of `template` (a
-    URL this returned before) where given."""
+    URL this returned before) where given. PostgreSQL where DATABASE_URL names one, unless
+    `sqlite`."""
     base = os.environ.get("DATABASE_URL", "")
-    if not base.startswith(("postgres://", "postgresql://")):
+    if sqlite or not base.startswith(("postgres://", "postgresql://")):
         path = tmp / "live.sqlite3"
         if template:
             shutil.copyfile(template.removeprefix("sqlite:///"), path)
@@ -202,22 +203,22 @@ def _database(tmp: Path, template: str | None = None) -> tuple[str, Any]:
     return f"{server}/{name}", drop
 
 
-# A database migrated once per test process, copied for each server: `manage.py migrate` took
-# ~2 s of every server's start (a Django process of its own, 2-core Zen 4).
-_TEMPLATE: list[str] = []
+# A database of each kind migrated once per test process, copied for each server: `manage.py
+# migrate` took ~2 s of every server's start (a Django process of its own, 2-core Zen 4).
+_TEMPLATES: dict[bool, str] = {}
 
 
-def _migrated_database(tmp: Path, env: dict[str, str]) -> tuple[str, Any]:
+def migrated_database(tmp: Path, env: dict[str, str], sqlite: bool = False) -> tuple[str, Any]:
     """Like `_database`, with the schema and the migrations' rows already in it."""
-    if not _TEMPLATE:
+    if sqlite not in _TEMPLATES:
         template_dir = Path(tempfile.mkdtemp(prefix="live-template-"))
-        url, drop = _database(template_dir)
+        url, drop = _database(template_dir, sqlite=sqlite)
         atexit.register(shutil.rmtree, template_dir, ignore_errors=True)
         atexit.register(drop)
         subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env={**env, "DATABASE_URL": url},
                        check=True, capture_output=True, timeout=300)
-        _TEMPLATE.append(url)
-    return _database(tmp, _TEMPLATE[0])
+        _TEMPLATES[sqlite] = url
+    return _database(tmp, _TEMPLATES[sqlite], sqlite=sqlite)
 
 
 TENANTS_SCRIPT = """
@@ -247,7 +248,7 @@ def start_live_server(tmp: Path, tiers: dict[str, dict], tenants: dict[str, str]
     child_env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_ENV",)}
     child_env.update(DEFAULT_ENV)
     child_env.update(env or {})
-    db_url, drop_db = _migrated_database(tmp, child_env)
+    db_url, drop_db = migrated_database(tmp, child_env)
     child_env.update(DATABASE_URL=db_url, REDIS_URL=redis_url, INTERNAL_API_TOKEN=token,
                      DJANGO_SETTINGS_MODULE="config.settings", PYTHONUNBUFFERED="1")
     # Each server journals its usage entries in its own folder (tenants.ledger), unless told.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.live import ROOT, LiveServer
+from tests.live import ROOT, LiveServer, migrated_database
 
 pytestmark = pytest.mark.slow
 
@@ -139,15 +139,13 @@ def _blocked_database(tmp_path: Path, tenant: str) -> tuple[dict, Path, int]:
     """A fresh SQLite database with a tenant, refusing usage writes: (environment, outbox, tenant id)."""
     outbox = tmp_path / "outbox"
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_ENV"}
-    env.update(DJANGO_SETTINGS_MODULE="config.settings", DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
-               USAGE_OUTBOX_DIR=str(outbox), REDIS_URL="redis://127.0.0.1:1/0")
-    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=300)
-    tenant_id = _django(f"""
-        from tenants import actions
-        from tenants.models import QuotaTier
-        result = actions.create_tenant({tenant!r}, QuotaTier.objects.get(name="standard")).pk
-    """, env)
-    block_usage_writes(lambda code: _django(code, env))
+    env.update(DJANGO_SETTINGS_MODULE="config.settings", USAGE_OUTBOX_DIR=str(outbox), REDIS_URL="redis://127.0.0.1:1/0")
+    env["DATABASE_URL"], _ = migrated_database(tmp_path, env, sqlite=True)
+    tenant_id = _django(BLOCKING % {"sqlite": SQLITE_BLOCK, "postgres": POSTGRES_BLOCK} + f"""
+from tenants import actions
+from tenants.models import QuotaTier
+result = actions.create_tenant({tenant!r}, QuotaTier.objects.get(name="standard")).pk
+""", env)  # one Django process for both: each took ~1 s to start
     return env, outbox, tenant_id
 
 
