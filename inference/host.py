@@ -131,7 +131,7 @@ class EngineHost:
                 async_engine = EngineProcess(config)
                 async_engine.start()
                 engine = async_engine.engine
-            else:  # the engine on a thread of this process: only here does the web process import torch
+            else:  # the engine on a thread of this process, and torch with it
                 from inference.engine.async_engine import AsyncEngine
                 from inference.engine.engine import LLMEngine
                 from inference.engine.metrics import EngineMetrics

@@ -261,9 +261,6 @@ class LLMEngine(RequestChecks):
                 steps += (remaining[-1] if remaining else 0) + rounds * max(s.params.max_tokens for s in ahead)
         return steps * self.step_s
 
-    # The API runs these two checks before it reserves a request's tokens, for every prompt of
-    # the request at once; add_request runs them again for each one it queues.
-
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

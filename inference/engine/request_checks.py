@@ -9,7 +9,9 @@ from inference.engine.errors import InvalidRequestError
 
 class RequestChecks:
     """Needs `vocab_size`, `max_model_len` and a `block_manager` (its `num_blocks`,
-    `block_size` and `blocks_needed`)."""
+    `block_size` and `blocks_needed`). The API runs these two checks before it reserves a
+    request's tokens, for every prompt of the request at once; `LLMEngine.add_request` runs
+    them again for each one it queues."""
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """Refuse token ids outside the model's vocabulary."""

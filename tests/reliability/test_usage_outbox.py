@@ -49,12 +49,16 @@ result = True
 """
 
 
+BLOCK = BLOCKING % {"sqlite": SQLITE_BLOCK, "postgres": POSTGRES_BLOCK}
+UNBLOCK = BLOCKING % {"sqlite": SQLITE_UNBLOCK, "postgres": POSTGRES_UNBLOCK}
+
+
 def block_usage_writes(run) -> None:
-    run(BLOCKING % {"sqlite": SQLITE_BLOCK, "postgres": POSTGRES_BLOCK})
+    run(BLOCK)
 
 
 def unblock_usage_writes(run) -> None:
-    run(BLOCKING % {"sqlite": SQLITE_UNBLOCK, "postgres": POSTGRES_UNBLOCK})
+    run(UNBLOCK)
 
 
 def _chat(live: LiveServer, max_tokens: int) -> dict:
@@ -141,7 +145,7 @@ def _blocked_database(tmp_path: Path, tenant: str) -> tuple[dict, Path, int]:
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_ENV"}
     env.update(DJANGO_SETTINGS_MODULE="config.settings", USAGE_OUTBOX_DIR=str(outbox), REDIS_URL="redis://127.0.0.1:1/0")
     env["DATABASE_URL"], _ = migrated_database(tmp_path, env, sqlite=True)
-    tenant_id = _django(BLOCKING % {"sqlite": SQLITE_BLOCK, "postgres": POSTGRES_BLOCK} + f"""
+    tenant_id = _django(BLOCK + f"""
 from tenants import actions
 from tenants.models import QuotaTier
 result = actions.create_tenant({tenant!r}, QuotaTier.objects.get(name="standard")).pk
