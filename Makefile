@@ -20,8 +20,8 @@ test: venv kernels
 	@# tests/cluster runs deploy/nginx.conf in Debian's nginx; likewise.
 	test -x /usr/sbin/nginx || (test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q nginx-light) \
 		|| echo "tests/cluster needs Debian's nginx at /usr/sbin/nginx: apt-get install nginx-light"
-	@# Two pytest processes: the live tests, and beside them the in-process engine and kernel
-	@# tests on the CPU the live ones leave idle (tests/suite.py says how and why).
+	@# Four pytest processes: the live tests in two, and beside them the in-process engine and
+	@# kernel tests in two on the CPU the live ones leave idle (tests/suite.py says how and why).
 	$(VENV)/bin/python tests/suite.py
 
 # The inner loop: no live daphne, Celery worker, browser or real model (tests/conftest.py marks

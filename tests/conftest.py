@@ -9,6 +9,7 @@ chooses when a kernel is decorated, i.e. when `kernels` is first imported: this 
 is imported before any test module, so TRITON_INTERPRET is set here.
 """
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -56,9 +57,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now. Under tests/suite.py, from this process's
+    `TEST_PORT_RANGE` ("low-high"), taken in turn from a random start, so that two pytest
+    processes never pick the same port and one process not the same twice before it wraps."""
+    if not _PORTS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_NEXT_PORT[0] % len(_PORTS)]
+        _NEXT_PORT[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in TEST_PORT_RANGE={os.environ['TEST_PORT_RANGE']}")
+
+
+def _port_range() -> range:
+    low, _, high = os.environ.get("TEST_PORT_RANGE", "").partition("-")
+    return range(int(low), int(high) + 1) if high else range(0)
+
+
+_PORTS = _port_range()
+_NEXT_PORT = [random.randrange(len(_PORTS) or 1)]
 
 
 def start_redis(directory: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
@@ -135,6 +159,18 @@ def hostile_live(tmp_path_factory: pytest.TempPathFactory):
     finally:
         stop()
 
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix) -> None:
+    """Under tests/suite.py each pytest process creates and drops a PostgreSQL test database
+    of its own (`TEST_DB_SUFFIX`): with one name for all, one process dropped the other's."""
+    from django.conf import settings
+
+    suffix = os.environ.get("TEST_DB_SUFFIX")
+    for db in settings.DATABASES.values() if suffix else ():
+        if db["ENGINE"] != "django.db.backends.sqlite3":  # SQLite's test databases are in memory
+            db.setdefault("TEST", {})["NAME"] = f"{db.get('TEST', {}).get('NAME') or 'test_' + db['NAME']}_{suffix}"
 
 
 @pytest.fixture(scope="session")

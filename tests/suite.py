@@ -1,17 +1,22 @@
-"""The whole suite as `make test` runs it: two pytest processes at once.
+"""The whole suite as `make test` runs it: four pytest processes at once.
 
 The live tests (daphne, Celery workers, Redis and nginx over real sockets) spend much of their
 time waiting on the engine, a socket or a timer: alone they kept a 2-core machine about half
-busy (user time ~ wall time over a 20-minute run). The in-process engine and kernel tests have no
-wall-clock bound that load could break, and take ~40% of the suite's CPU. So they run beside
-the live tests in a process of their own under SCHED_IDLE: the kernel gives it a core only when
-no other thread wants one, so the live tests, some of which bound waits in seconds, run as if
-alone, and the in-process tests fill what they leave idle, one thread each (two OpenMP threads
-sharing the one idle core would spin at every barrier).
+busy. So they run as two processes, split by module: the modules that wait longest on workers,
+replicas, a browser or a launcher (`PATIENT`) beside the rest. On a 2-core Zen 3 EPYC (PostgreSQL)
+the live tests took 985 s in one process, 639 and 483 s as two beside each other. Each live process picks its ports from a range of its
+own (`TEST_PORT_RANGE`, read by `tests.conftest.free_port`), below the kernel's ephemeral range,
+so one process's server never takes a port the other just found free.
 
-The live tests stream to the terminal; the in-process tests' output follows when both are done.
+The in-process engine and kernel tests have no wall-clock bound that load could break, and take
+~40% of the suite's CPU. They run as two more processes under SCHED_IDLE: the kernel gives them
+a core only when no other thread wants one, so the live tests, some of which bound waits in
+seconds, run as if they were not there, and the in-process tests fill what they leave idle, one thread each
+(two OpenMP threads sharing the one idle core would spin at every barrier).
+
+The first live process streams to the terminal; the others' output follows when all are done.
 Exit status: the first process's that is not 0 (5, no tests collected, counts as a failure).
-Arguments are passed to both. `python -m pytest` alone still runs everything in one process.
+Arguments are passed to all. `python -m pytest` alone still runs everything in one process.
 """
 from __future__ import annotations
 
@@ -27,6 +32,15 @@ TESTS = ROOT / "tests"
 BACKGROUND = ("engine", "kernels", "install")
 # ... except these, whose engine threads are awaited under deadlines of seconds.
 STAY = ("engine/test_async_engine.py", "engine/test_metrics.py")
+# The second in-process process: the real model's modules (~320 s of the ~690 on a Zen 3 EPYC).
+BACKGROUND_HEAVY = ("engine/test_real_model.py", "engine/test_speculative_real.py", "engine/test_engine_process.py")
+# The second live process: modules whose time is mostly waiting on a Celery worker, a replica
+# behind nginx, a browser or `make run`, with bounds of a minute or more.
+PATIENT = ("batches", "cluster", "console/test_browser.py", "integration/test_run.py",
+           "reliability/test_usage_outbox.py", "serving/test_schema.py")
+# Each live process's ports: disjoint, and below Linux's ephemeral range (32768 up), from which
+# outgoing connections and bind(("", 0)) take theirs.
+PORT_RANGES = ("10000-20999", "21000-31999")
 
 
 def _paths() -> tuple[list[str], list[str]]:
@@ -48,25 +62,47 @@ def _idle() -> None:
         os.nice(19)
 
 
-def main(args: list[str]) -> int:
+def _commands() -> list[tuple[str, list[str], bool, str]]:
+    """(name, pytest arguments, idle, port range) for each process; the first streams."""
     live, background = _paths()
+    patient = [f"tests/{path}" for path in PATIENT]
+    heavy = [f"tests/{path}" for path in BACKGROUND_HEAVY]
+
+    def ignore(paths) -> list[str]:  # for what pytest finds in a folder it was given, not for a path given
+        return [f"--ignore={path}" for path in paths]
+
+    return [
+        ("live", [*(path for path in live if path not in patient), *ignore(patient)], False, PORT_RANGES[0]),
+        ("live, patient", patient, False, PORT_RANGES[1]),
+        ("in-process", [*background, *ignore(f"tests/{path}" for path in STAY), *ignore(heavy)], True, ""),
+        ("in-process, real model", heavy, True, ""),
+    ]
+
+
+def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
+    commands = _commands()
     with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
-        log_path = Path(tmp) / "in-process.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with log_path.open("w") as log:
-            side = subprocess.Popen(
-                [*pytest, *background, *[f"--ignore=tests/{path}" for path in STAY],
-                 "-p", "no:cacheprovider", f"--basetemp={tmp}/basetemp", *args],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_idle,
-            )
-            try:
-                live_status = subprocess.call([*pytest, *live, *args], cwd=ROOT)
-            finally:
-                side_status = side.wait()
-        print(f"\n{'=' * 30} in-process tests ({', '.join(background)}), run beside the above {'=' * 30}")
-        sys.stdout.write(log_path.read_text(errors="replace"))
-    for status in (live_status, side_status):
+        sides = []
+        for index, (name, paths, idle, ports) in enumerate(commands[1:], start=1):
+            env = {**os.environ, "TEST_DB_SUFFIX": str(index)}
+            env.update({"TEST_PORT_RANGE": ports} if ports else {"OMP_NUM_THREADS": "1"})
+            log_path = Path(tmp) / f"{index}.log"
+            with log_path.open("w") as log:
+                side = subprocess.Popen(
+                    [*pytest, *paths, "-p", "no:cacheprovider", f"--basetemp={tmp}/basetemp-{index}", *args],
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_idle if idle else None,
+                )
+            sides.append((name, paths, side, log_path))
+        name, paths, _, ports = commands[0]
+        try:
+            statuses = [subprocess.call([*pytest, *paths, *args], cwd=ROOT, env={**os.environ, "TEST_PORT_RANGE": ports, "TEST_DB_SUFFIX": "0"})]
+        finally:
+            statuses += [side.wait() for _, _, side, _ in sides]
+        for name, paths, _, log_path in sides:
+            print(f"\n{'=' * 30} {name} tests, run beside the above {'=' * 30}")
+            sys.stdout.write(log_path.read_text(errors="replace"))
+    for status in statuses:
         if status != 0:
             return status
     return 0
