@@ -82,6 +82,12 @@ async def _drain() -> None:
         log.warning("drain timed out after %.0f s with %d generations in flight; stopping", settings.DRAIN_TIMEOUT_S, left)
     else:
         log.warning("drained in %.1f s; stopping", time.monotonic() - started)
-    from twisted.internet import reactor  # daphne's: only a process serving under it drains
+    # Out of the fleet first: atexit would remove the entry only after the socket had closed
+    # (a clean-clone run on a busy 2-core box read it listed after nothing listened). The
+    # reactor is daphne's: only a process serving under it drains.
+    from twisted.internet import reactor
 
+    from inference import fleet  # which imports this module
+
+    await asyncio.to_thread(fleet.leave)
     reactor.stop()

@@ -240,3 +240,11 @@ def join() -> None:
             _heartbeat = heartbeat
             _heartbeat.start()
             atexit.register(_heartbeat.stop)  # daphne sends no lifespan shutdown; SIGTERM exits
+
+
+def leave() -> None:
+    """Stop reporting and leave the fleet now (blocks up to a beat): a drained replica leaves
+    before it stops listening, so no balancer reads it listed after it is gone. atexit's
+    later call finds nothing left to remove."""
+    if _heartbeat is not None:
+        _heartbeat.stop()
