@@ -8,6 +8,7 @@ Triton kernels are tested on CPU tensors through Triton's interpreter, which Tri
 chooses when a kernel is decorated, i.e. when `kernels` is first imported: this file
 is imported before any test module, so TRITON_INTERPRET is set here.
 """
+import itertools
 import os
 import random
 import socket
@@ -64,9 +65,8 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    for _ in range(len(_PORTS)):
-        port = _PORTS[_NEXT_PORT[0] % len(_PORTS)]
-        _NEXT_PORT[0] += 1
+    for _ in _PORTS:
+        port = _PORTS[next(_PORT_TURN) % len(_PORTS)]
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -76,13 +76,9 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in TEST_PORT_RANGE={os.environ['TEST_PORT_RANGE']}")
 
 
-def _port_range() -> range:
-    low, _, high = os.environ.get("TEST_PORT_RANGE", "").partition("-")
-    return range(int(low), int(high) + 1) if high else range(0)
-
-
-_PORTS = _port_range()
-_NEXT_PORT = [random.randrange(len(_PORTS) or 1)]
+_LOW, _, _HIGH = os.environ.get("TEST_PORT_RANGE", "").partition("-")
+_PORTS = range(int(_LOW), int(_HIGH) + 1) if _HIGH else range(0)
+_PORT_TURN = itertools.count(random.randrange(len(_PORTS) or 1))
 
 
 def start_redis(directory: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
@@ -168,9 +164,13 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix) -
     from django.conf import settings
 
     suffix = os.environ.get("TEST_DB_SUFFIX")
-    for db in settings.DATABASES.values() if suffix else ():
-        if db["ENGINE"] != "django.db.backends.sqlite3":  # SQLite's test databases are in memory
-            db.setdefault("TEST", {})["NAME"] = f"{db.get('TEST', {}).get('NAME') or 'test_' + db['NAME']}_{suffix}"
+    if not suffix:
+        return
+    for db in settings.DATABASES.values():
+        if db["ENGINE"] == "django.db.backends.sqlite3":  # SQLite's test databases are in memory
+            continue
+        test = db.setdefault("TEST", {})
+        test["NAME"] = f"{test.get('NAME') or 'test_' + db['NAME']}_{suffix}"
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,17 @@
 The live tests (daphne, Celery workers, Redis and nginx over real sockets) spend much of their
 time waiting on the engine, a socket or a timer: alone they kept a 2-core machine about half
 busy. So they run as two processes, split by module: the modules that wait longest on workers,
-replicas, a browser or a launcher (`PATIENT`) beside the rest. On a 2-core Zen 3 EPYC (PostgreSQL)
-the live tests took 985 s in one process, 639 and 483 s as two beside each other. Each live process picks its ports from a range of its
-own (`TEST_PORT_RANGE`, read by `tests.conftest.free_port`), below the kernel's ephemeral range,
-so one process's server never takes a port the other just found free.
+replicas, a browser or a launcher (`PATIENT`) beside the rest. On a 2-core Zen 3 EPYC
+(PostgreSQL) the live tests took 985 s in one process, 639 and 483 s as two beside each other.
+Each live process picks its ports from a range of its own (`TEST_PORT_RANGE`, read by
+`tests.conftest.free_port`), below the kernel's ephemeral range, so one process's server never
+takes a port the other just found free, and names its test database apart (`TEST_DB_SUFFIX`).
 
 The in-process engine and kernel tests have no wall-clock bound that load could break, and take
 ~40% of the suite's CPU. They run as two more processes under SCHED_IDLE: the kernel gives them
 a core only when no other thread wants one, so the live tests, some of which bound waits in
-seconds, run as if they were not there, and the in-process tests fill what they leave idle, one thread each
-(two OpenMP threads sharing the one idle core would spin at every barrier).
+seconds, run as if they were not there, and the in-process tests fill what they leave idle, one
+thread each (two OpenMP threads sharing the one idle core would spin at every barrier).
 
 The first live process streams to the terminal; the others' output follows when all are done.
 Exit status: the first process's that is not 0 (5, no tests collected, counts as a failure).
@@ -33,7 +34,8 @@ BACKGROUND = ("engine", "kernels", "install")
 # ... except these, whose engine threads are awaited under deadlines of seconds.
 STAY = ("engine/test_async_engine.py", "engine/test_metrics.py")
 # The second in-process process: the real model's modules (~320 s of the ~690 on a Zen 3 EPYC).
-BACKGROUND_HEAVY = ("engine/test_real_model.py", "engine/test_speculative_real.py", "engine/test_engine_process.py")
+BACKGROUND_HEAVY = ("engine/test_real_model.py", "engine/test_speculative_real.py",
+                    "engine/test_engine_process.py")
 # The second live process: modules whose time is mostly waiting on a Celery worker, a replica
 # behind nginx, a browser or `make run`, with bounds of a minute or more.
 PATIENT = ("batches", "cluster", "console/test_browser.py", "integration/test_run.py",
@@ -79,27 +81,31 @@ def _commands() -> list[tuple[str, list[str], bool, str]]:
     ]
 
 
+def _env(index: int, idle: bool, ports: str) -> dict[str, str]:
+    env = {**os.environ, "TEST_DB_SUFFIX": str(index)}
+    env.update({"OMP_NUM_THREADS": "1"} if idle else {"TEST_PORT_RANGE": ports})
+    return env
+
+
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
-    commands = _commands()
+    (_, first, _, first_ports), *others = _commands()
     with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
         sides = []
-        for index, (name, paths, idle, ports) in enumerate(commands[1:], start=1):
-            env = {**os.environ, "TEST_DB_SUFFIX": str(index)}
-            env.update({"TEST_PORT_RANGE": ports} if ports else {"OMP_NUM_THREADS": "1"})
+        for index, (name, paths, idle, ports) in enumerate(others, start=1):
             log_path = Path(tmp) / f"{index}.log"
             with log_path.open("w") as log:
                 side = subprocess.Popen(
                     [*pytest, *paths, "-p", "no:cacheprovider", f"--basetemp={tmp}/basetemp-{index}", *args],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_idle if idle else None,
+                    cwd=ROOT, env=_env(index, idle, ports), stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=_idle if idle else None,
                 )
-            sides.append((name, paths, side, log_path))
-        name, paths, _, ports = commands[0]
+            sides.append((name, side, log_path))
         try:
-            statuses = [subprocess.call([*pytest, *paths, *args], cwd=ROOT, env={**os.environ, "TEST_PORT_RANGE": ports, "TEST_DB_SUFFIX": "0"})]
+            statuses = [subprocess.call([*pytest, *first, *args], cwd=ROOT, env=_env(0, False, first_ports))]
         finally:
-            statuses += [side.wait() for _, _, side, _ in sides]
-        for name, paths, _, log_path in sides:
+            statuses += [side.wait() for _, side, _ in sides]
+        for name, _, log_path in sides:
             print(f"\n{'=' * 30} {name} tests, run beside the above {'=' * 30}")
             sys.stdout.write(log_path.read_text(errors="replace"))
     for status in statuses:

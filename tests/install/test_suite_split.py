@@ -1,8 +1,6 @@
 """tests/suite.py runs the suite as four pytest processes: each test module in exactly one."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests import suite
 
 
