@@ -48,6 +48,7 @@ so a flood of one address never delays a load balancer's checks.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 import time
@@ -65,6 +66,17 @@ _RELEASED, _LOST = object(), object()
 HELD_BYTES = 64 * 1024
 _PROBES = re.compile(rb"GET /(?:healthz|readyz|metrics)[ ?]")
 _UNBOUNDED = ("peer:", "probes")  # callers INTAKE_PENDING_PER_CALLER does not apply to
+
+
+# When the request being served had arrived whole (its last byte read), for the application's
+# task: daphne creates it in WebRequest.process, which copies this context (set around it below).
+_arrived: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_arrived", default=None)
+
+
+def arrival() -> float | None:
+    """time.monotonic() when the HTTP request this task serves had arrived whole, before it
+    waited for its caller's turn, its parsing and its admission; None outside one."""
+    return _arrived.get()
 
 
 def caller_of(head: bytes, peer: str) -> str:
@@ -230,6 +242,7 @@ def install(turn_ms: float, pending_per_caller: int = 0, head_timeout_s: float =
     process, reply = WebRequest.process, WebRequest.handle_reply
 
     def data_received(self, data):
+        self._bytes_at = time.monotonic()  # a request's last byte, once it is whole: its arrival
         held = self.__dict__.get("_intake")
         if held is _RELEASED:
             entry = intake.reading.get(self)
@@ -265,7 +278,11 @@ def install(turn_ms: float, pending_per_caller: int = 0, head_timeout_s: float =
         upgrade = self.requestHeaders.getRawHeaders(b"upgrade") or [b""]
         if upgrade[0].lower() == b"websocket":
             intake.settle(self.channel)  # sockets per key are bounded by the consumer
-        return process(self)
+        token = _arrived.set(getattr(self.channel, "_bytes_at", None))
+        try:
+            return process(self)
+        finally:
+            _arrived.reset(token)
 
     def handle_reply(self, message):
         if message.get("type") == "http.response.start":

@@ -27,7 +27,7 @@ from channels.generic.http import AsyncHttpConsumer
 from django import db
 from django.conf import settings
 
-from config import request_ids
+from config import intake, request_ids
 from inference import formatting, grammar_checks, http_metrics, protocol
 from inference.dispatch import NoSharedThreadDispatch
 from inference.generation import Caller, Generation
@@ -234,7 +234,8 @@ class OpenAIConsumer(EngineHttpConsumer):
         # limit of 8 all ran when only streams counted.
         gen = Generation(request, self.caller(), hold_lease=self.metered,
                          id_prefix="chatcmpl" if self.kind == "chat" else "cmpl", lane_override=self.lane,
-                         metered=self.metered, request_id=self.request_id(), endpoint=self.endpoint(), **self.billing())
+                         metered=self.metered, request_id=self.request_id(), endpoint=self.endpoint(),
+                         arrived_at=intake.arrival(), **self.billing())
         try:
             await self.start_generation(gen)
             headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",
@@ -285,7 +286,8 @@ class PlatformChatConsumer(EngineHttpConsumer):
     async def respond(self, body: bytes) -> None:
         request = await grammar_checks.parse(protocol.parse_chat, protocol.parse_body(body), self.scope["tenant"].pk)
         priority = self._priority_header()
-        gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True, endpoint=self.scope["path"])
+        gen = Generation(request, self.caller(), header_priority=priority, hold_lease=True, endpoint=self.scope["path"],
+                         arrived_at=intake.arrival())
         try:
             await self.start_generation(gen)
             headers = {"X-Request-Id": request_ids.adopt(self.scope, gen.id), "X-Lane": f"P{gen.lane}",

@@ -66,6 +66,10 @@ class Generation:
     attempt: int = 0
     endpoint: str = ""  # the usage row's: the API path, "batch" for batch items
     batch_id: str = ""  # the usage row's: a batch item's batch
+    # time.monotonic() when the request had arrived whole (config.intake.arrival): its usage row's
+    # ttft_ms and latency_ms count from there, the wait for its turn and its admission included;
+    # from this object's creation when not given (a WebSocket's start, a batch item).
+    arrived_at: float | None = None
 
     id: str = field(init=False)
     created: int = field(init=False)
@@ -81,10 +85,11 @@ class Generation:
     holds: gate.Holds = field(init=False)
     streams: streaming.Streams = field(init=False)
     row: billing.UsageRow = field(init=False)
-    _started_at: float = field(init=False, default_factory=time.monotonic)
+    _started_at: float = field(init=False)
     _closed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self._started_at = time.monotonic() if self.arrived_at is None else self.arrived_at
         self.id = self.request_id or f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.holds = gate.Holds(self.id, self.tenant, self.caller.api_key)

@@ -103,6 +103,7 @@ TENANTS: dict[str, str] = {
     # tests/reliability/test_intake.py
     "intake": "hostile-p1",
     "intake-other": "hostile-p1",
+    "intake-timed": "hostile-p1",  # ... whose held chat's usage row is read
     # tests/cluster/test_nginx.py: nginx in front of this server
     "proxied": "hostile-p1",
 }

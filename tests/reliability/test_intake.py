@@ -3,6 +3,7 @@ after a burst of 300 connections is answered among the burst's first answers, no
 of them (config.intake). Twisted parsed each connection as it was read, in the order the kernel
 queued them, so a tenant's burst that landed first was parsed, gated and answered before anyone
 else's request was looked at."""
+import json
 import select
 import selectors
 import socket
@@ -102,3 +103,69 @@ def test_a_tenants_requests_past_its_bound_of_unanswered_ones_wait_and_others_do
     finally:
         for sock in [kept, fresh, other, probe, *unanswered]:
             sock.close()
+
+
+HELD_S = 1.5
+
+
+def _response(sock: socket.socket) -> dict:
+    """The JSON body of a whole response on a connection the server closes after it."""
+    sock.settimeout(60)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    if b"transfer-encoding: chunked" in head.lower():
+        whole = b""
+        while True:
+            size, _, body = body.partition(b"\r\n")
+            if not int(size, 16):
+                break
+            whole, body = whole + body[:int(size, 16)], body[int(size, 16) + 2:]
+        body = whole
+    return json.loads(body)
+
+
+def _usage_row(live, request_id: str) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        rows = live.django(f"""
+from tenants.models import UsageRecord
+result = [{{"ttft_ms": r.ttft_ms, "latency_ms": r.latency_ms}}
+          for r in UsageRecord.objects.filter(request_id={request_id!r}, closed=True)]
+""")
+        if rows:
+            return rows[0]
+        assert time.monotonic() < deadline, f"{request_id} was never billed"
+        time.sleep(0.2)
+
+
+def test_a_held_requests_usage_row_counts_its_wait_from_its_arrival(hostile_live):
+    """Usage rows' ttft_ms and latency_ms (the console's latency panels, the usage export)
+    started when the generation was set up: after the intake's queue, the key, the requests/min
+    and the body. A request that waited a second behind its tenant's unanswered ones, or behind
+    another tenant's burst (110 ms at the client, ~30 in its row on a 2-core Xeon), showed only
+    the engine's part. They count from the request's last byte now."""
+    address = host_port(hostile_live.url)
+    key = hostile_live.keys["intake-timed"]
+    known = _get(address, "/v1/models", key)
+    assert _answered_within(known, 30).startswith(b"HTTP/1.1 200"), "the key authenticates"
+    known.close()
+    unanswered = [socket.create_connection(address, timeout=30) for _ in range(BOUND)]
+    chat = socket.create_connection(address, timeout=30)
+    try:
+        for sock in unanswered:
+            sock.sendall(_head("/v1/models", key, end=False))
+        time.sleep(0.5)  # every one of them parsed as far as it goes
+        body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
+        chat.sendall(request_bytes(hostile_live.url, OPENAI_CHAT, key, body))  # Connection: close
+        time.sleep(HELD_S)
+        assert _answered_within(chat, 0.1) == b"", "the chat was parsed past its tenant's bound"
+        unanswered.pop().close()
+        row = _usage_row(hostile_live, _response(chat)["id"])
+    finally:
+        for sock in [chat, *unanswered]:
+            sock.close()
+    assert row["ttft_ms"] >= HELD_S * 1000, row
+    assert row["latency_ms"] >= row["ttft_ms"], row
