@@ -403,9 +403,13 @@ METRICS_ALLOW_LOOPBACK = env.bool("METRICS_ALLOW_LOOPBACK", default=not PRODUCTI
 # shares between every connection (tenants.admission). Eight threads cover a burst of 400
 # connections on 2 cores (each admission is ~2-5 ms of database and Redis round trips).
 ADMISSION_WORKERS = env.int("ADMISSION_WORKERS", default=8)
-# Admissions of one caller (an API key, then its tenant) on that pool at once: half of it,
-# so one caller whose calls hang on a locked row leaves the other half to everyone else.
-ADMISSION_PER_CALLER = env.int("ADMISSION_PER_CALLER", default=4)
+# Admissions of one caller (an API key, then its tenant) on that pool at once. One: a caller
+# whose calls hang on a locked row holds one thread, and a tenant's burst runs one call at a
+# time, not four threads taking the GIL in turns with everyone else's. Under another tenant's
+# 400-request burst a chat's first token came at p50 0.078-0.089 s with 1, 0.093-0.095 with
+# 2, 0.106-0.108 with 4 (idle 0.03; 2-core AMX Xeon), and a lone tenant's 200 concurrent
+# chats took 2.6 s with 1 or 4: its calls are a few ms each and its own burst queues behind itself.
+ADMISSION_PER_CALLER = env.int("ADMISSION_PER_CALLER", default=1)
 # A request whose admission waits longer than this on the database or Redis is answered 503
 # with Retry-After (the SQLite busy timeout is 20 s: well past what a client should wait).
 ADMISSION_TIMEOUT_S = env.float("ADMISSION_TIMEOUT_S", default=10.0)
