@@ -42,8 +42,8 @@ Generation requests and WebSocket upgrades leave this count as they reach the fl
 Callers known by address only (no key, or one not yet seen to authenticate here) are not
 bounded: behind nginx they are all one address, and a tenant's first requests after a restart
 would wait behind a stranger's slow ones; their keys are checked on the admission pool,
-ADMISSION_PER_CALLER calls at a time a key. Probes (/healthz, /readyz, /metrics) queue as a caller of their own,
-so a flood of one address never delays a load balancer's checks.
+ADMISSION_PER_CALLER calls at a time a key. Probes (/healthz, /readyz, /metrics) queue as a
+caller of their own, so a flood of one address never delays a load balancer's checks.
 """
 from __future__ import annotations
 

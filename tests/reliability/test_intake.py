@@ -10,7 +10,7 @@ import socket
 import time
 
 from tests import isolation_env
-from tests.serving.rawsse import OPENAI_CHAT, chat_body, host_port, request_bytes
+from tests.serving.rawsse import OPENAI_CHAT, Wire, chat_body, host_port, request_bytes
 
 BURST = 300
 
@@ -111,20 +111,11 @@ HELD_S = 1.5
 def _response(sock: socket.socket) -> dict:
     """The JSON body of a whole response on a connection the server closes after it."""
     sock.settimeout(60)
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200"), head
-    if b"transfer-encoding: chunked" in head.lower():
-        whole = b""
-        while True:
-            size, _, body = body.partition(b"\r\n")
-            if not int(size, 16):
-                break
-            whole, body = whole + body[:int(size, 16)], body[int(size, 16) + 2:]
-        body = whole
-    return json.loads(body)
+    wire = Wire()
+    while not wire.ended and (chunk := sock.recv(65536)):
+        wire.feed(chunk)
+    assert wire.status == 200, (wire.status, wire.body)
+    return json.loads(wire.body)
 
 
 def _usage_row(live, request_id: str) -> dict:
