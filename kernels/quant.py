@@ -39,7 +39,7 @@ even at 128-2,048 rows: `maddubs` multiplies 32 byte pairs where an FMA does 8 f
 there a row's int4 output no longer depends on the batch. Every reader of the weights
 (dequantize, the embedding's rows, quant_gemm_f32) takes the flag.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
-past `QuantRows.int8` (INT8_LINEAR_ROWS, raised like int4's for a verifying pass) and int4
+past `QuantRows.int8` (INT8_LINEAR_ROWS, 20 with AVX-512; raised like int4's for a verifying pass) and int4
 rows past `KERNEL_ROWS` where not interleaved take `quant_gemm_f32`: 64 weight rows at a time
 dequantized into a buffer that stays in L2, times x by ATen's GEMM. Over SmolLM2's layers on a
 2-core Zen 1 EPYC (AVX2) it ran 1.1-1.8x the fp32 GEMM at 33-256 rows (it reads a byte or half
@@ -56,7 +56,7 @@ Q4_1 x Q8_1 does), takes integer dots and applies the scales per group.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,12 +79,23 @@ KERNEL_ROWS = 32
 # quant_gemm's: 0.40x at 1 row, 0.86x at 5, 1.18x at 9, 1.57x at 17, 1.91x at 32 (at 32, a
 # prompt's prefill took twice the time it needed).
 INT4_LINEAR_ROWS = 8
-# int8 where there is no quant_gemm and x is fp32 (AVX2): quant_linear up to this many rows,
-# quant_gemm_f32 past it. SmolLM2's 30 layers on a 2-core Zen 3 EPYC, time over the fp32
+# int8 where there is no quant_gemm and x is fp32: quant_linear up to this many rows,
+# quant_gemm_f32 past it. SmolLM2's 30 layers on a 2-core Zen 3 EPYC (AVX2), time over the fp32
 # engine's: quant_linear 0.57x at 2 rows, 1.08x at 6 and 8, 1.21x at 16, 1.56x at 32 (it widens
 # each weight to fp32 once per 4 rows of x); quant_gemm_f32 1.33x at 6, 1.00x at 8 and 16,
 # 0.90x at 32.
 INT8_LINEAR_ROWS = 7
+# The same on a CPU with AVX-512 but not AVX512-BF16, where MKL's GEMM is slower at these
+# sizes: on a 2-core Ice Lake Xeon, over oneDNN's fp32 time, quant_linear 0.74x at 8 rows,
+# 0.95x at 12, 1.12x at 16, 1.19x at 20, 1.35x at 24; quant_gemm_f32 0.98x, 1.09x, 1.33x,
+# 1.40x, 1.26x.
+INT8_LINEAR_ROWS_AVX512 = 20
+
+
+def int8_linear_rows() -> int:
+    """INT8_LINEAR_ROWS for the CPU the kernels were built for."""
+    module = cpu_ext.load()
+    return INT8_LINEAR_ROWS_AVX512 if module is not None and module.avx512() else INT8_LINEAR_ROWS
 
 
 @dataclass
@@ -93,7 +104,7 @@ class QuantRows:
     so the engine can set them for the model it was handed (`LlamaModel.verify_rows`)."""
 
     int4: int = INT4_LINEAR_ROWS
-    int8: int = INT8_LINEAR_ROWS
+    int8: int = field(default_factory=int8_linear_rows)
 
 
 @dataclass(frozen=True)

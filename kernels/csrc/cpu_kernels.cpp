@@ -1235,6 +1235,14 @@ bool bf16_native() {
 #endif
 }
 
+bool avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // A linear layer's bias, checked against x and n (undefined when there is none), and its
 // output: x's shape with the last dimension n.
 static torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, const torch::Tensor& x, int64_t n) {
@@ -2175,12 +2183,22 @@ static uint32_t* scratch(int64_t words) {
 
 // quant_gemm_f32: out = x @ W.T (+ bias) for fp32 x over int8 or int4 weights, more rows than
 // quant_linear takes, where there is no quant_gemm (no AVX512-BF16: the engine runs fp32).
-// Each thread dequantizes QUANT_F32_PANEL weight rows at a time into an fp32 buffer of its own
-// (147-393 KB at SmolLM2's widths, in L2) and multiplies x by it with ATen's GEMM, writing the
-// panel's columns of out in place. Dequantizing each layer whole into a fresh fp32 copy for
-// one GEMM wrote and read 4 bytes a weight through memory and faulted the copy's pages in
-// again every call: offline int8 ran 0.59x fp32 on a 2-core Zen 1 EPYC (AVX2).
+// Below QUANT_F32_WHOLE_ROWS each thread dequantizes QUANT_F32_PANEL weight rows at a time into
+// an fp32 buffer of its own (147-393 KB at SmolLM2's widths, in L2) and multiplies x by it with
+// ATen's GEMM, writing the panel's columns of out in place. From QUANT_F32_STANDING_ROWS the
+// panel takes x transposed (W_panel @ x.T, then copied to out's columns): MKL's x @ W_panel.T
+// fell from ~100 to 20 GFLOP/s at 16 rows and up on a 2-core Ice Lake Xeon (AVX-512), where
+// W_panel @ x.T held 100-125; below 16 rows it ran 1.8x the other's time. From
+// QUANT_F32_WHOLE_ROWS (a long prefill chunk) the layer is dequantized whole, into a buffer kept
+// between calls up to QUANT_F32_KEPT_WEIGHTS (16 MB; past it a fresh one), for one GEMM: the
+// panels ran 2.0x oneDNN's fp32 time over SmolLM2's layers at 2,048 rows on that Xeon, the whole
+// layer 0.9-1.0x (dequantizing costs ~30 ms a pass over the model, the GEMM 1.7-2.1 s).
+// Dequantizing each layer whole into a fresh copy at every row count ran 0.7-0.8x fp32's speed
+// at 33-256 rows on a 2-core Zen 1 EPYC (AVX2; offline int8 0.59x fp32 there).
 static constexpr int64_t QUANT_F32_PANEL = 64;
+static constexpr int64_t QUANT_F32_STANDING_ROWS = 16;
+static constexpr int64_t QUANT_F32_WHOLE_ROWS = 128;
+static constexpr int64_t QUANT_F32_KEPT_WEIGHTS = 1 << 22;
 
 torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                              c10::optional<torch::Tensor> bias, int64_t bits, bool interleaved) {
@@ -2190,13 +2208,32 @@ torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tens
   x = xc;
   const auto x2 = x.view({m, k});
   auto out2 = out.view({m, n});
+  if (m >= QUANT_F32_WHOLE_ROWS) {
+    torch::Tensor w;
+    if (n * k <= QUANT_F32_KEPT_WEIGHTS) {
+      float* o = reinterpret_cast<float*>(scratch<5>(n * k));
+      const uint8_t* qw = qweight.data_ptr<uint8_t>();
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k, interleaved);
+      });
+      w = torch::from_blob(o, {n, k}, x.options());
+    } else {
+      w = quant_dequantize(qweight, scales, mins, bits, k, torch::kFloat, interleaved);
+    }
+    if (bias_c.defined()) at::addmm_out(out2, bias_c, x2, w.t());
+    else at::mm_out(out2, x2, w.t());
+    return out;
+  }
   const int64_t panels = (n + QUANT_F32_PANEL - 1) / QUANT_F32_PANEL;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  const bool stand = m >= QUANT_F32_STANDING_ROWS;
+  const auto xt = stand ? x2.t().contiguous() : x2;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     // The pool's threads do not inherit the caller's inference mode, and out may be an
     // inference tensor: ATen refuses to write one outside it.
     c10::InferenceMode inference;
     float* buf = reinterpret_cast<float*>(scratch<3>(QUANT_F32_PANEL * k));
+    float* prod = stand ? reinterpret_cast<float*>(scratch<4>(QUANT_F32_PANEL * m)) : nullptr;
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t c0 = panel * QUANT_F32_PANEL, cols = std::min(QUANT_F32_PANEL, n - c0);
       dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, c0, cols, buf, interleaved);
@@ -2204,8 +2241,16 @@ torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tens
       // Inside the parallel region ATen's GEMM runs on this thread alone; out's columns
       // [c0, c0 + cols) are a matrix of leading dimension n, written where they lie.
       auto part = out2.narrow(1, c0, cols);
-      if (bias_c.defined()) at::addmm_out(part, bias_c.narrow(0, c0, cols), x2, w.t());
-      else at::mm_out(part, x2, w.t());
+      if (stand) {
+        auto wx = torch::from_blob(prod, {cols, m}, x.options());
+        at::mm_out(wx, w, xt);
+        if (bias_c.defined()) at::add_out(part, wx.t(), bias_c.narrow(0, c0, cols));
+        else part.copy_(wx.t());
+      } else if (bias_c.defined()) {
+        at::addmm_out(part, bias_c.narrow(0, c0, cols), x2, w.t());
+      } else {
+        at::mm_out(part, x2, w.t());
+      }
     }
   });
   return out;
@@ -2710,6 +2755,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv, NOGIL, "q and k rotated, k and v into their cache slots, from the fused qkv (CPU)");
   m.def("linear_small_bf16", &linear_small_bf16, "whether linear_small takes bf16 weights of this input width here");
   m.def("bf16_native", &bf16_native, "whether this CPU dots bf16 natively (AVX512-BF16)");
+  m.def("avx512", &avx512, "whether these kernels were built for AVX-512");
   m.def("linear_amx_available", &linear_amx_available, "whether linear_amx runs here (AMX-BF16, allowed by the OS)");
   m.def("linear_amx", &linear_amx,
         NOGIL, "x @ w.T + bias in bf16 on AMX, w packed by kernels.linear.pack_amx; silu_mul: silu(gate) * up of a gate_up "

@@ -198,25 +198,31 @@ def test_an_engine_speculating_k_tokens_keeps_int4_verifying_passes_on_the_decod
     assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS
     LLMEngine(EngineConfig(num_blocks=16, block_size=4, speculative="ngram", num_speculative_tokens=12), LoadedModel(model))
     assert model.quant_rows.int4 == 13 and model.lm_head.rows is model.quant_rows
-    assert model.quant_rows.int8 == 13  # int8 in an fp32 engine switches at its own row count
+    assert model.quant_rows.int8 == max(quant.int8_linear_rows(), 13)  # int8 in an fp32 engine: its own row count
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quant_gemm_f32_computes_x_times_the_weights_dequantized_panel_by_panel(compiled, bits):
-    """fp32 x past KERNEL_ROWS where there is no quant_gemm: 200 outputs are three full panels of
-    64 and a part one, each written in place into its columns of out, with the bias."""
+def test_quant_gemm_f32_computes_x_times_the_weights_dequantized(compiled, bits):
+    """fp32 x where there is no quant_gemm, in each of its forms: panels of 64 weight rows times
+    x as it lies (8 rows) or times x transposed (33 rows), the layer whole (150 rows; 300 rows
+    over a layer past the buffer it keeps). 200 outputs are three full panels and a part one,
+    each written in place into its columns of out, with the bias."""
     g = torch.Generator().manual_seed(20 + bits)
     w = torch.randn(200, 96, generator=g) * 0.05
     qw = quant.quantize(w, bits)
     dense = quant.dequantize(qw, torch.float32)
     bias = torch.randn(200, generator=g)
-    for shape in ((quant.KERNEL_ROWS + 1, 96), (3, 50, 96)):
+    for shape in ((8, 96), (quant.KERNEL_ROWS + 1, 96), (3, 50, 96)):
         x = torch.randn(*shape, generator=g)
         got = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, bias, bits)
         assert got.shape == (*shape[:-1], 200)
         assert torch.allclose(got, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5), (bits, shape)
         unbiased = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, None, bits)
         assert torch.allclose(unbiased + bias, got, rtol=1e-5, atol=1e-5)
+    tall = quant.quantize(torch.randn(4160, 1024, generator=g) * 0.05, bits)  # 4.3 M weights
+    x = torch.randn(300, 1024, generator=g)
+    want = F.linear(x, quant.dequantize(tall, torch.float32))
+    assert torch.allclose(compiled.quant_gemm_f32(x, tall.qweight, tall.scales, tall.mins, None, bits), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits, worst", [(8, 0.005), (4, 0.08)])
@@ -243,17 +249,17 @@ def test_int4_puts_q4_1_weights_back_on_their_own_grid():
     assert (back - w).abs().max() <= 1e-3 * w.abs().max()
 
 
-@pytest.mark.parametrize("verify_rows", [1, 17])
+@pytest.mark.parametrize("verify_rows", [1, 25])
 def test_an_fp32_int8_layer_takes_the_kernel_for_few_rows_and_dequantized_panels_for_many(compiled, verify_rows):
     """Where there is no quant_gemm, int8's kernel up to QuantRows.int8 rows (it widens every
     weight once per 4 rows of x: 1.56x the fp32 engine's time at 32 rows, on AVX2), or a
     verifying pass's rows when more; the dequantized panels above. Where quant_gemm runs, fp32
     x keeps the kernel up to KERNEL_ROWS."""
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05
-    rows_form = quant.QuantRows(int8=max(quant.INT8_LINEAR_ROWS, verify_rows))
+    rows_form = quant.QuantRows(int8=max(quant.int8_linear_rows(), verify_rows))
     layer = quant.QuantLinear(quant.quantize(w, 8), rows=rows_form)
     last = quant.KERNEL_ROWS if compiled.quant_gemm_available() else rows_form.int8
-    assert quant.INT8_LINEAR_ROWS < quant.KERNEL_ROWS
+    assert quant.int8_linear_rows() < quant.KERNEL_ROWS
     qw = layer.qw
     for rows in sorted({1, last, last + 1, quant.KERNEL_ROWS + 1}):
         x = torch.randn(rows, 96)
