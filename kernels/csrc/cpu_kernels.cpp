@@ -2135,6 +2135,15 @@ static void dequant_rows_f32(const uint8_t* qw, const void* scales, const void* 
   }
 }
 
+// All n weight rows as fp32 into o (row-major, n x k), on the pool's threads.
+static void dequant_all_f32(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& mins,
+                            int64_t bits, int64_t k, bool interleaved, float* o) {
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  at::parallel_for(0, qweight.size(0), 16, [&](int64_t begin, int64_t end) {
+    dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k, interleaved);
+  });
+}
+
 // The weights back in `dtype`, [out_features, in_features]: for long prefill chunks where bf16 is
 // not native (oneDNN's GEMM over them), and for the embedding's lookups.
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
@@ -2147,10 +2156,7 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
   auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   if (dtype == torch::kFloat) {
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k, interleaved);
-    });
+    dequant_all_f32(qweight, scales, mins, bits, k, interleaved, out.data_ptr<float>());
     return out;
   }
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
@@ -2209,17 +2215,9 @@ torch::Tensor quant_gemm_f32(torch::Tensor x, torch::Tensor qweight, torch::Tens
   const auto x2 = x.view({m, k});
   auto out2 = out.view({m, n});
   if (m >= QUANT_F32_WHOLE_ROWS) {
-    torch::Tensor w;
-    if (n * k <= QUANT_F32_KEPT_WEIGHTS) {
-      float* o = reinterpret_cast<float*>(scratch<5>(n * k));
-      const uint8_t* qw = qweight.data_ptr<uint8_t>();
-      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-        dequant_rows_f32(qw, scales.data_ptr(), mins.data_ptr(), bits, k, begin, end - begin, o + begin * k, interleaved);
-      });
-      w = torch::from_blob(o, {n, k}, x.options());
-    } else {
-      w = quant_dequantize(qweight, scales, mins, bits, k, torch::kFloat, interleaved);
-    }
+    const auto w = n * k <= QUANT_F32_KEPT_WEIGHTS ? torch::from_blob(scratch<5>(n * k), {n, k}, x.options())
+                                                   : torch::empty({n, k}, x.options());
+    dequant_all_f32(qweight, scales, mins, bits, k, interleaved, w.data_ptr<float>());
     if (bias_c.defined()) at::addmm_out(out2, bias_c, x2, w.t());
     else at::mm_out(out2, x2, w.t());
     return out;
