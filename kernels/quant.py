@@ -20,7 +20,7 @@ at the second token.
 decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
 dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
 Where the CPU dots bf16 natively (AVX512-BF16) and x is bf16, `quant_gemm` takes int8 at every
-row count and int4 above `KERNEL_ROWS`: it dequantizes 32 weight rows at a time into a buffer
+row count and int4 above `QuantRows.int4` rows: it dequantizes 32 weight rows at a time into a buffer
 that stays in cache and runs the rows of x against it in bf16 (at par with oneDNN's bf16 GEMM
 at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a row
 whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
@@ -29,15 +29,16 @@ vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.
 (INT4_LINEAR_ROWS, raised by the engine to a verifying pass's 1 + k rows): quantized x and
 integer dots run one row 2.5x faster, and a verifying pass of speculative decoding must compute
 a row as a one-row decode does.
-Where there is no quant_gemm (no AVX512-BF16: AVX2 CPUs, whose engine runs fp32), a layer holds
-int4 weights interleaved by 8 output rows (`interleave`: the same bytes and scales, reordered
-once at load), so the kernel dots 8 rows in one vector and applies their scales as they lie:
-SmolLM2's layers and LM head took 0.66-0.83x the row-by-row form's time at one row and
-0.41-0.53x at 5-32 rows on a 2-core Zen 3 EPYC, and batch-1 int4 decode there went from level
-with llama.cpp to 1.26x it (paired). It takes every row count (0.75x the fp32 engine's layers
-even at 128-2,048 rows: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), so
-there a row's int4 output no longer depends on the batch. Every reader of the weights
-(dequantize, the embedding's rows, quant_gemm_f32) takes the flag.
+On every CPU a layer holds int4 weights interleaved by 8 output rows (`interleave`: the same
+bytes and scales, reordered once at load), so the kernel dots 8 rows in one vector and applies
+their scales as they lie: SmolLM2's layers and LM head took 0.66-0.83x the row-by-row form's
+time at one row and 0.41-0.53x at 5-32 rows on a 2-core Zen 3 EPYC (batch-1 int4 decode there
+went from level with llama.cpp to 1.26x it, paired), and 0.6-0.7x at 1 row, 0.5x at 4-16 on a
+2-core Zen 4 EPYC, where quant_gemm, which reads the layout too, takes over only past 32 rows.
+Where there is no quant_gemm it takes every row count (0.75x the fp32 engine's layers even at
+128-2,048 rows: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), so there a
+row's int4 output does not depend on the batch. Every reader of the weights (dequantize, the
+embedding's rows, quant_gemm, quant_gemm_f32) takes the flag.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
 past `QuantRows.int8` (INT8_LINEAR_ROWS, 20 with AVX-512; raised like int4's for a verifying pass) and int4
 rows past `KERNEL_ROWS` where not interleaved take `quant_gemm_f32`: 64 weight rows at a time
@@ -75,10 +76,11 @@ SCALE_DTYPES = {8: torch.float32, 4: torch.float16}
 # quant_linear at 1, 2 and 5 rows); the offline rows of bench/engine_throughput.py show its effect.
 KERNEL_ROWS = 32
 # int4 where quant_gemm runs (AVX512-BF16, bf16 x): quant_linear up to this many rows, quant_gemm
-# past it. SmolLM2's 30 layers on a 2-core AVX512-BF16 EPYC, quant_linear's time over
-# quant_gemm's: 0.40x at 1 row, 0.86x at 5, 1.18x at 9, 1.57x at 17, 1.91x at 32 (at 32, a
-# prompt's prefill took twice the time it needed).
-INT4_LINEAR_ROWS = 8
+# past it. SmolLM2's 30 layers and LM head on a 2-core Zen 4 EPYC, interleaved quant_linear's
+# time over quant_gemm's (which reads the interleaved weights as fast as rows: 0.98-1.02x): 0.50x
+# at 4 rows, 0.56x at 8, 0.79x at 16, 0.92x at 24, 0.95x at 32, 1.11x at 64, 1.25x at 256. The
+# rows' form it replaced ran 0.40x at 1 row, 1.18x at 9 and 1.91x at 32, so the crossing was 8.
+INT4_LINEAR_ROWS = 32
 # int8 where there is no quant_gemm and x is fp32: quant_linear up to this many rows,
 # quant_gemm_f32 past it. SmolLM2's 30 layers on a 2-core Zen 3 EPYC (AVX2), time over the fp32
 # engine's: quant_linear 0.57x at 2 rows, 1.08x at 6 and 8, 1.21x at 16, 1.56x at 32 (it widens
@@ -352,9 +354,8 @@ class QuantLinear:
         # each call dequantizes a copy for cuBLAS.
         self.triton = use_triton and qw.qweight.is_cuda and _triton.available()
         self.gemm = self.module is not None and self.module.quant_gemm_available()
-        # int4's kernel reads 8 rows interleaved (at every row count), where no quant_gemm (which
-        # reads rows as they are) takes int4 past INT4_LINEAR_ROWS: a 2-core Zen 3 EPYC (AVX2).
-        if self.module is not None and not self.gemm and qw.bits == 4 and qw.out_features % INTERLEAVE == 0:
+        # int4's kernel reads 8 rows interleaved, and quant_gemm reads that layout as well.
+        if self.module is not None and qw.bits == 4 and qw.out_features % INTERLEAVE == 0:
             self.qw = interleave(qw)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,7 +363,8 @@ class QuantLinear:
             return quant_linear_triton(x, self.qw, self.bias)
         rows = x.numel() // self.in_features
         if self.gemm and x.dtype == torch.bfloat16 and (self.qw.bits == 8 or rows > self.rows.int4):
-            return self.module.quant_gemm(x, self.qw.qweight, self.qw.scales, self.qw.mins, self.bias, self.qw.bits)
+            qw = self.qw
+            return self.module.quant_gemm(x, qw.qweight, qw.scales, qw.mins, self.bias, qw.bits, qw.interleaved)
         qw = self.qw
         if self.module is not None and rows <= self._linear_rows(x) and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, self.bias, qw.bits, qw.interleaved)
@@ -372,8 +374,9 @@ class QuantLinear:
 
     def _linear_rows(self, x: torch.Tensor) -> float:
         """Rows up to which quant_linear takes x where quant_gemm does not. Interleaved int4 at
-        every count: its integer dots ran 0.32-0.75x the fp32 engine's layers at 4-2,048 rows
-        on a 2-core Zen 3 EPYC, where quant_gemm_f32 ran 1.04-1.58x."""
+        every count (where quant_gemm takes bf16 x past `rows.int4`, fp32 x too): its integer dots
+        ran 0.32-0.75x the fp32 engine's layers at 4-2,048 rows on a 2-core Zen 3 EPYC, where
+        quant_gemm_f32 ran 1.04-1.58x."""
         if self.qw.interleaved:
             return math.inf
         if self.qw.bits == 8 and not self.gemm and x.dtype == torch.float32:

@@ -2087,11 +2087,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 
 // Interleaved int4 (int4_x8_block's layout): where row `row`'s group g lies, its 16 bytes in the
 // standard order (byte j: weight j low, j + 16 high) into `bytes`, and the index of its d and m.
-static inline int64_t x8_group(const uint8_t* qw, int64_t groups, int64_t row, int64_t g, uint8_t* bytes) {
-  const uint8_t* wg = qw + ((row / X8_ROWS) * groups + g) * X8_GROUP_BYTES + 4 * (row % X8_ROWS);
-  // Vector p's 4 bytes hold weights 4p.. (low) and 4p + 16.. (high): the standard byte 4p + c.
-  for (int p = 0; p < 4; ++p) std::memcpy(bytes + 4 * p, wg + 32 * p, 4);
+// Vector p's 4 bytes (at x8_bytes + 32 p) hold weights 4p.. (low) and 4p + 16.. (high): the
+// standard bytes 4p..4p + 3.
+static inline const uint8_t* x8_bytes(const uint8_t* qw, int64_t groups, int64_t row, int64_t g) {
+  return qw + ((row / X8_ROWS) * groups + g) * X8_GROUP_BYTES + 4 * (row % X8_ROWS);
+}
+
+static inline int64_t x8_index(int64_t groups, int64_t row, int64_t g) {
   return ((row / X8_ROWS) * groups + g) * X8_ROWS + row % X8_ROWS;
+}
+
+static inline int64_t x8_group(const uint8_t* qw, int64_t groups, int64_t row, int64_t g, uint8_t* bytes) {
+  const uint8_t* wg = x8_bytes(qw, groups, row, g);
+  for (int p = 0; p < 4; ++p) std::memcpy(bytes + 4 * p, wg + 32 * p, 4);
+  return x8_index(groups, row, g);
 }
 
 // Weight rows [c0, c0 + cols) of W as fp32 into buf (row-major, cols x k): quant_dequantize's
@@ -2284,20 +2293,36 @@ static inline __m512i dequant32_int8(const uint8_t* p, float d, float m) {
   return dequant32(lo, hi, d, m);
 }
 
-static inline __m512i dequant32_int4(const uint8_t* p, float d, float m) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+static inline __m512i dequant32_int4(__m128i b, float d, float m) {
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
   return dequant32(lo, hi, d, m);
 }
 
+static inline __m512i dequant32_int4(const uint8_t* p, float d, float m) {
+  return dequant32_int4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), d, m);
+}
+
+// Interleaved int4's group g of weight row `row` (x8_group's bytes, gathered in registers),
+// dequantized.
+static inline __m512i dequant32_x8(const uint8_t* qw, const at::Half* scales, const at::Half* mins, int64_t groups,
+                                   int64_t row, int64_t g) {
+  const uint8_t* wg = x8_bytes(qw, groups, row, g);
+  int32_t e[4];
+  for (int p = 0; p < 4; ++p) std::memcpy(&e[p], wg + 32 * p, 4);
+  const int64_t at = x8_index(groups, row, g);
+  return dequant32_int4(_mm_setr_epi32(e[0], e[1], e[2], e[3]), static_cast<float>(scales[at]), static_cast<float>(mins[at]));
+}
+
 // Weight row `row` of W, group g, dequantized.
 static inline __m512i dequant_group(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k,
-                                    int64_t row, int64_t g) {
+                                    int64_t row, int64_t g, bool interleaved) {
   const int64_t groups = k / 32, at = row * groups + g;
   if (bits == 8)
     return dequant32_int8(qw + row * k + g * 32, static_cast<const float*>(scales)[at], static_cast<const float*>(mins)[at]);
+  if (interleaved)
+    return dequant32_x8(qw, static_cast<const at::Half*>(scales), static_cast<const at::Half*>(mins), groups, row, g);
   return dequant32_int4(qw + row * (k / 2) + g * 16, static_cast<float>(static_cast<const at::Half*>(scales)[at]),
                         static_cast<float>(static_cast<const at::Half*>(mins)[at]));
 }
@@ -2348,8 +2373,17 @@ static inline void prefetch_group(const uint8_t* ahead, const S* d, const S* mn,
 // Weight row `row` of W dequantized to bf16 into dst (k values).
 template <int BITS>
 static inline void dequant_row(const uint8_t* qw, const void* scales, const void* mins, int64_t k, int64_t row,
-                               at::BFloat16* dst) {
+                               at::BFloat16* dst, bool interleaved) {
   const int64_t groups = k / 32;
+  if (BITS == 4 && interleaved) {  // the next block's bytes of the same group, 8 rows ahead
+    const auto* d = static_cast<const at::Half*>(scales);
+    const auto* mn = static_cast<const at::Half*>(mins);
+    for (int64_t g = 0; g < groups; ++g) {
+      __builtin_prefetch(x8_bytes(qw, groups, row, g) + groups * X8_GROUP_BYTES, 0, 3);
+      _mm512_storeu_si512(dst + g * 32, dequant32_x8(qw, d, mn, groups, row, g));
+    }
+    return;
+  }
   if constexpr (BITS == 8) {
     const uint8_t* q = qw + row * k;
     const float* d = static_cast<const float*>(scales) + row * groups;
@@ -2372,24 +2406,24 @@ static inline void dequant_row(const uint8_t* qw, const void* scales, const void
 // Rows [c0, c0 + 32) of W into buf (row-major, 32 x k), row by row: the 32 rows' bytes are one
 // stretch of memory read front to back. Rows past the last output repeat it.
 static inline void dequant_rows32(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k, int64_t c0,
-                                  int64_t cols, at::BFloat16* buf) {
+                                  int64_t cols, at::BFloat16* buf, bool interleaved) {
   for (int64_t r = 0; r < PANEL_COLS; ++r) {
     const int64_t row = c0 + std::min(r, cols - 1);
-    if (bits == 8) dequant_row<8>(qw, scales, mins, k, row, buf + r * k);
-    else dequant_row<4>(qw, scales, mins, k, row, buf + r * k);
+    if (bits == 8) dequant_row<8>(qw, scales, mins, k, row, buf + r * k, false);
+    else dequant_row<4>(qw, scales, mins, k, row, buf + r * k, interleaved);
   }
 }
 
 // Weight rows [c0, c0 + cols) of W, dequantized into panel[in / 2][PANEL_COLS] (pairs of bf16;
 // columns past the last are copies of it, computed and dropped).
 static void dequantize_panel(const uint8_t* qw, const void* scales, const void* mins, int64_t bits, int64_t k, int64_t c0,
-                             int64_t cols, uint32_t* panel) {
+                             int64_t cols, uint32_t* panel, bool interleaved) {
   for (int64_t half = 0; half < PANEL_COLS / 16; ++half)
     for (int64_t g = 0; g < k / 32; ++g) {
       __m512i v[16];
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = c0 + std::min(half * 16 + r, cols - 1);
-        v[r] = dequant_group(qw, scales, mins, bits, k, row, g);
+        v[r] = dequant_group(qw, scales, mins, bits, k, row, g, interleaved);
       }
       transpose16x16(v);
       for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(panel + (g * 16 + p) * PANEL_COLS + half * 16, v[p]);
@@ -2462,14 +2496,15 @@ static void panel_rows(const at::BFloat16* x, int64_t m, int64_t k, const uint32
 // quant_linear's fp32 dots, which need no transpose but sum in another order.
 template <int MR>
 static inline void fused_block(const at::BFloat16* x, int64_t k, const uint8_t* qw, const void* scales, const void* mins,
-                               int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t n, int64_t c0, int64_t cols) {
+                               int64_t bits, bool interleaved, const at::BFloat16* bias, at::BFloat16* out, int64_t n,
+                               int64_t c0, int64_t cols) {
   __m512 a[MR][1];
   for (int j = 0; j < MR; ++j) a[j][0] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);
   const int64_t stride = k / 2;
   for (int64_t g = 0; g < k / 32; ++g) {
     __m512i v[16];
-    for (int64_t r = 0; r < 16; ++r) v[r] = dequant_group(qw, scales, mins, bits, k, c0 + std::min(r, cols - 1), g);
+    for (int64_t r = 0; r < 16; ++r) v[r] = dequant_group(qw, scales, mins, bits, k, c0 + std::min(r, cols - 1), g, interleaved);
     transpose16x16(v);
     for (int p = 0; p < 16; ++p)
       for (int j = 0; j < MR; ++j)
@@ -2560,7 +2595,7 @@ static void amx_panels(int64_t n, int64_t k, Run&& run) {
   });
 }
 
-static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
+static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, bool interleaved,
                                          int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
                                          int64_t k) {
   const int64_t kb = k / 32, blocks = (m + 15) / 16;
@@ -2569,7 +2604,7 @@ static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* q
   amx_panels(n, k, [&](int64_t c0, int64_t cols, uint32_t* buffer, float (*c)[16][16]) {
     at::BFloat16* a0 = reinterpret_cast<at::BFloat16*>(buffer);
     const at::BFloat16* a1 = a0 + 16 * k;
-    dequant_rows32(qw, scales, mins, bits, k, c0, cols, a0);
+    dequant_rows32(qw, scales, mins, bits, k, c0, cols, a0, interleaved);
     for (int64_t b = 0; b < blocks; b += 2) {
       const bool two = b + 1 < blocks;
       amx_zero_accumulators();
@@ -2595,7 +2630,7 @@ static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* q
   });
 }
 
-static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
+static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, bool interleaved,
                                       int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
                                       int64_t k) {
   const int64_t kb = k / 32, blocks = (m + 15) / 16, tail = m % 16;
@@ -2604,7 +2639,7 @@ static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, 
   auto rows_of = [&](int64_t b) { return (tail && b == blocks - 1) ? pad.data() : x + b * 16 * k; };
   auto count = [&](int64_t b) { return (tail && b == blocks - 1) ? tail : int64_t(16); };
   amx_panels(n, k, [&](int64_t c0, int64_t cols, uint32_t* panel, float (*c)[16][16]) {
-    dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
+    dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel, interleaved);
     for (int64_t b = 0; b < blocks; b += 2) {
       const bool two = b + 1 < blocks;
       const at::BFloat16 *x0 = rows_of(b), *x1 = two ? rows_of(b + 1) : nullptr;
@@ -2633,11 +2668,11 @@ static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, 
 #endif
 
 static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, int64_t bits,
-                              const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
+                              bool interleaved, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
 #if defined(HAVE_AMX)
   if (amx_usable()) {
-    if (m <= AMX_WEIGHTS_FIRST_ROWS) quant_gemm_amx_weights_first(x, qw, scales, mins, bits, bias, out, m, n, k);
-    else quant_gemm_amx_rows_first(x, qw, scales, mins, bits, bias, out, m, n, k);
+    if (m <= AMX_WEIGHTS_FIRST_ROWS) quant_gemm_amx_weights_first(x, qw, scales, mins, interleaved, bits, bias, out, m, n, k);
+    else quant_gemm_amx_rows_first(x, qw, scales, mins, interleaved, bits, bias, out, m, n, k);
     return;
   }
 #endif
@@ -2645,8 +2680,8 @@ static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const vo
     at::parallel_for(0, (n + 15) / 16, 4, [&](int64_t begin, int64_t end) {
       for (int64_t block = begin; block < end; ++block) {
         const int64_t c0 = block * 16, cols = std::min<int64_t>(16, n - c0);
-        if (m == 1) fused_block<1>(x, k, qw, scales, mins, bits, bias, out, n, c0, cols);
-        else fused_block<2>(x, k, qw, scales, mins, bits, bias, out, n, c0, cols);
+        if (m == 1) fused_block<1>(x, k, qw, scales, mins, bits, interleaved, bias, out, n, c0, cols);
+        else fused_block<2>(x, k, qw, scales, mins, bits, interleaved, bias, out, n, c0, cols);
       }
     });
     return;
@@ -2656,7 +2691,7 @@ static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const vo
     uint32_t* panel = scratch<0>(PANEL_COLS * k / 2);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t c0 = p * PANEL_COLS, cols = std::min<int64_t>(PANEL_COLS, n - c0);
-      dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel);
+      dequantize_panel(qw, scales, mins, bits, k, c0, cols, panel, interleaved);
       panel_rows(x, m, k, panel, bias, out, n, c0, cols);
     }
   });
@@ -2712,18 +2747,19 @@ bool quant_gemm_available() {
 bool linear_panels_available() { return quant_gemm_available(); }
 
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                         c10::optional<torch::Tensor> bias, int64_t bits) {
+                         c10::optional<torch::Tensor> bias, int64_t bits, bool interleaved) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_gemm takes bf16 x");
   auto [xc, bias_c, out, m, n, k] = quant_call(x, qweight, scales, mins, bias, bits);
+  check_interleaved(bits, n, interleaved);
   x = xc;
   const at::BFloat16* b = bias_c.defined() ? bias_c.data_ptr<at::BFloat16>() : nullptr;
 #if defined(HAVE_QUANT_GEMM)
-  quant_gemm_kernel(x.data_ptr<at::BFloat16>(), qweight.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), bits, b,
-                    out.data_ptr<at::BFloat16>(), m, n, k);
+  quant_gemm_kernel(x.data_ptr<at::BFloat16>(), qweight.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), bits, interleaved,
+                    b, out.data_ptr<at::BFloat16>(), m, n, k);
 #else
   // Portable: the same bf16 weights, dotted in fp32 a row at a time (for the tests; the engine
   // takes this op only where quant_gemm_available()).
-  auto w = quant_dequantize(qweight, scales, mins, bits, k, torch::kBFloat16, false);
+  auto w = quant_dequantize(qweight, scales, mins, bits, k, torch::kBFloat16, interleaved);
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
@@ -2771,7 +2807,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_available", &quant_gemm_available, "whether quant_gemm runs vectorized here (AVX512-BF16); elsewhere it is a slow portable loop");
   m.def("quant_gemm", &quant_gemm, NOGIL,
         "x @ W.T + bias for bf16 x, W int8 or int4 (kernels.quant) dequantized a panel at a time, any row count (CPU)",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"));
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"),
+        py::arg("interleaved") = false);
   m.def("quant_gemm_f32", &quant_gemm_f32, NOGIL,
         "x @ W.T + bias for fp32 x, W int8 or int4 (kernels.quant) dequantized a panel at a time into ATen's GEMM (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"),

@@ -98,24 +98,20 @@ def test_interleaving_keeps_the_weights_and_every_reader_agrees(compiled):
                               qw.mins[:12, :1].contiguous(), None, 4, True)
 
 
-def test_an_int4_layer_interleaves_its_weights_where_no_quant_gemm_takes_them(compiled):
-    """Where quant_gemm (which reads rows as they lie) takes int4 past a few rows, the weights
-    stay as they are; elsewhere (AVX2, fp32 engines) the layer holds them interleaved, and only
-    so, and its integer kernel takes every row count (a prefill's too)."""
+def test_an_int4_layer_interleaves_its_weights(compiled):
+    """Every CPU's int4 layer holds its weights interleaved by 8 rows where their count allows
+    (int8's stay as they are), and fp32 x takes the integer kernel at every row count (a
+    prefill's too)."""
     g = torch.Generator().manual_seed(12)
     w = torch.randn(64, 96, generator=g) * 0.05
     layer = quant.QuantLinear(quant.quantize(w, 4))
-    assert layer.qw.interleaved == (not compiled.quant_gemm_available())
+    assert layer.qw.interleaved
     assert not quant.QuantLinear(quant.quantize(w[:60], 4)).qw.interleaved  # not a multiple of 8 rows
     assert not quant.QuantLinear(quant.quantize(w, 8)).qw.interleaved
     qw = layer.qw
     for rows in (1, 5, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 300):
         x = torch.randn(rows, 96, generator=g)
-        if qw.interleaved or rows <= quant.KERNEL_ROWS:
-            want = compiled.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, 4, qw.interleaved)
-        else:
-            want = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, None, 4)
-        assert torch.equal(layer(x), want), rows
+        assert torch.equal(layer(x), compiled.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, 4, True)), rows
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -133,6 +129,25 @@ def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, b
         assert ((got.float() - want).abs() <= 4e-3 * want.abs() + 1e-3 * want.abs().max()).all(), (n, k)
         assert torch.equal(compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits),
                            compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, torch.zeros_like(bias), bits))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 40, 200])
+def test_quant_gemm_reads_interleaved_int4_as_the_rows_it_came_from(compiled, rows):
+    """Past INT4_LINEAR_ROWS a layer's interleaved int4 weights go to quant_gemm: each output
+    has the bits it has from the weights as they were (one and two rows dequantize in
+    registers, more through panels, on AMX through its tiles)."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(8, 32), (96, 64), (576, 576), (40, 1536)]:  # one block, ragged panels, SmolLM2's widths
+        qw = quant.quantize(torch.randn(n, k, generator=g) * 0.05, 4)
+        mixed = quant.interleave(qw)
+        x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        want = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, bias, 4)
+        got = compiled.quant_gemm(x, mixed.qweight, mixed.scales, mixed.mins, bias, 4, True)
+        assert torch.equal(got, want), (n, k)
+        # Read as if not interleaved, the bytes give another answer: the flag is what makes it right.
+        if n > 8:
+            assert not torch.equal(compiled.quant_gemm(x, mixed.qweight, mixed.scales, mixed.mins, bias, 4), want)
 
 
 @pytest.mark.parametrize("bits, interleaved", [(8, False), (4, False), (4, True)], ids=["int8", "int4", "int4-x8"])
@@ -166,7 +181,7 @@ def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
             assert torch.equal(part, whole[start:start + size]), (size, start)
 
 
-@pytest.mark.parametrize("verify_rows", [1, 17])
+@pytest.mark.parametrize("verify_rows", [1, 40])
 def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_rows):
     """int8: quant_gemm at every row count; int4: its integer kernel up to INT4_LINEAR_ROWS rows,
     or a verifying pass's rows when more (each then gets the bits a one-row decode does),
@@ -180,14 +195,14 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_
         qw = layer.qw
         for rows in sorted({1, int4_rows, int4_rows + 1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1}):
             x = torch.randn(rows, 96, generator=g).bfloat16()
-            gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits)
+            gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved)
             if not compiled.quant_gemm_available():
                 want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved) \
                     if rows <= quant.KERNEL_ROWS or qw.interleaved else F.linear(x, quant.dequantize(qw, torch.bfloat16))
             elif bits == 8 or rows > int4_rows:
                 want = gemm
             else:
-                want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits)
+                want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved)
             assert torch.equal(layer(x), want), (bits, rows)
 
 
@@ -197,8 +212,10 @@ def test_an_engine_speculating_k_tokens_keeps_int4_verifying_passes_on_the_decod
     LLMEngine(EngineConfig(num_blocks=16, block_size=4), LoadedModel(model))
     assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS
     LLMEngine(EngineConfig(num_blocks=16, block_size=4, speculative="ngram", num_speculative_tokens=12), LoadedModel(model))
-    assert model.quant_rows.int4 == 13 and model.lm_head.rows is model.quant_rows
+    assert model.quant_rows.int4 == max(quant.INT4_LINEAR_ROWS, 13) and model.lm_head.rows is model.quant_rows
     assert model.quant_rows.int8 == max(quant.int8_linear_rows(), 13)  # int8 in an fp32 engine: its own row count
+    model.verify_rows(quant.INT4_LINEAR_ROWS + 8)  # a pass past the crossing raises it
+    assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS + 8
 
 
 @pytest.mark.parametrize("bits", [8, 4])
