@@ -1832,7 +1832,10 @@ static inline void int4_x8_block(const int8_t* xq, const float* xd, const float*
 // does for its row, so each output has the bits it has there (integer sums in two chains: the
 // same int32). Over SmolLM2's 30 layers and LM head on a 2-core Zen 4 EPYC (AVX512-VNNI), its
 // time over int4_x8_block's: 1.25-1.3x at 1 row (kept there), 0.9x at 8, 0.8x at 16, 0.75x at
-// 32; one chain of 8 dots a group instead of two, 1.5x at 1 row and 0.85x at 16. Over
+// 32; one chain of 8 dots a group instead of two, 1.5x at 1 row and 0.85x at 16. The one row
+// is the memory's: with the layers in cache it took 0.85x at 1 row and 0.7x at 4, from memory
+// 1.2-1.4x at 1 row, reading two blocks' bytes in lockstep where the one-block form reads one
+// stream (prefetching further ahead, none, or per group did not close it). Over
 // quant_gemm's (bf16 dots over dequantized panels): 0.65x at 24 rows, 0.7x at 32, 0.75x at 64,
 // 0.8x at 128, 0.8-0.85x at 256-2,048, so where no AMX runs quant_gemm this kernel takes
 // interleaved int4 at every row count (kernels/quant.py).
