@@ -20,12 +20,12 @@ at the second token.
 decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
 dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
 Where the CPU dots bf16 natively (AVX512-BF16) and x is bf16, `quant_gemm` takes int8 at every
-row count (and int4 above `QuantRows.int4` rows on AMX, below): it dequantizes 32 weight rows at a time into a buffer
+row count and int4 above `QuantRows.int4` rows: it dequantizes 32 weight rows at a time into a buffer
 that stays in cache and runs the rows of x against it in bf16 (at par with oneDNN's bf16 GEMM
 at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a row
 whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
 linear_amx's bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model, where the
-vdpbf16ps form ran 0.2x at 64 rows). There int4 keeps `quant_linear` up to `QuantRows.int4`
+vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.int4`
 rows (INT4_LINEAR_ROWS, raised by the engine to a verifying pass's 1 + k rows): a verifying pass
 of speculative decoding must compute a row as a one-row decode does.
 On every CPU a layer holds int4 weights interleaved by 8 output rows (`interleave`: the same
@@ -34,11 +34,10 @@ their scales as they lie: SmolLM2's layers and LM head took 0.66-0.83x the row-b
 time at one row and 0.41-0.53x at 5-32 rows on a 2-core Zen 3 EPYC (batch-1 int4 decode there
 went from level with llama.cpp to 1.26x it, paired), and 0.6-0.7x at 1 row, 0.5x at 4-16 on a
 2-core Zen 4 EPYC (batch-1 int4 decode there from 1.16-1.24x llama.cpp to 1.57x, paired).
-With AVX512-VNNI, from 8 rows it takes two blocks at a time in 512-bit vectors. Except where
-AMX's tiles run quant_gemm it takes every row count (0.75x the fp32 engine's layers even at
-128-2,048 rows on the Zen 3 EPYC: `maddubs` multiplies 32 byte pairs where an FMA does 8
-floats; 0.65-0.85x quant_gemm's bf16 dots at 24-2,048 rows on the Zen 4), so there a row's
-int4 output does not depend on the batch. Every reader of the weights (dequantize, the
+With AVX512-VNNI, from 8 rows it takes two blocks at a time in 512-bit vectors. Where there
+is no quant_gemm it takes every row count (0.75x the fp32 engine's layers even at 128-2,048
+rows on the Zen 3 EPYC: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), so
+there a row's int4 output does not depend on the batch. Every reader of the weights (dequantize, the
 embedding's rows, quant_gemm, quant_gemm_f32) takes the flag.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
 past `QuantRows.int8` (INT8_LINEAR_ROWS, 20 with AVX-512; raised like int4's for a verifying pass) and int4
@@ -76,14 +75,16 @@ SCALE_DTYPES = {8: torch.float32, 4: torch.float16}
 # weights and oneDNN. No bench times this crossing alone (bench/kernels_ab.py times
 # quant_linear at 1, 2 and 5 rows); the offline rows of bench/engine_throughput.py show its effect.
 KERNEL_ROWS = 32
-# int4 where quant_gemm takes it past a few rows (bf16 x on AMX's tiles, or rows not a multiple of
-# 8, so not interleaved): quant_linear up to this many rows, quant_gemm past it. Not measured on
-# AMX. On a 2-core Zen 4 EPYC (quant_gemm's vdpbf16ps form, which reads the interleaved weights as
-# fast as rows: 0.98-1.02x), SmolLM2's 30 layers and LM head, the interleaved kernel's time over
-# quant_gemm's with 8-row blocks one at a time: 0.50x at 4 rows, 0.56x at 8, 0.79x at 16, 0.92x at
-# 24, 0.95x at 32, 1.11x at 64, 1.25x at 256 (the row-by-row form before it: 0.40x at 1 row,
-# 1.18x at 9, 1.91x at 32, so this was 8); with two blocks at a time from 8 rows
-# (int4_x16_blocks), 0.65-0.85x at every count, so there it takes them all.
+# int4 where quant_gemm runs (AVX512-BF16, bf16 x): quant_linear up to this many rows, quant_gemm
+# past it. On a 2-core Zen 4 EPYC (quant_gemm's vdpbf16ps form, which reads the interleaved
+# weights as fast as rows: 0.98-1.02x), SmolLM2's 30 layers and LM head, the interleaved kernel's
+# time over quant_gemm's with 8-row blocks one at a time: 0.50x at 4 rows, 0.56x at 8, 0.79x at
+# 16, 0.92x at 24, 0.95x at 32, 1.11x at 64, 1.25x at 256 (the row-by-row form before it: 0.40x
+# at 1 row, 1.18x at 9, 1.91x at 32, so this was 8). With two blocks at a time from 8 rows
+# (int4_x16_blocks) it ran 0.65-0.85x at every count, but taking every count, prompts too,
+# lost the model: their activations quantized to int8 in prefill, 1-2 of the 20 person records of
+# tests/serving/test_structured_output.py ran to max_tokens under INFERENCE_QUANTIZATION=int4
+# (0 of 20 with quant_gemm past 32 rows). Not measured on AMX.
 INT4_LINEAR_ROWS = 32
 # int8 where there is no quant_gemm and x is fp32: quant_linear up to this many rows,
 # quant_gemm_f32 past it. SmolLM2's 30 layers on a 2-core Zen 3 EPYC (AVX2), time over the fp32
@@ -361,17 +362,13 @@ class QuantLinear:
         # int4's kernel reads 8 rows interleaved, and quant_gemm reads that layout as well.
         if self.module is not None and qw.bits == 4 and qw.out_features % INTERLEAVE == 0:
             self.qw = interleave(qw)
-        # Where quant_gemm takes int4 past `rows.int4`: on AMX's tiles, or for weights not
-        # interleaved. Elsewhere the interleaved integer kernel takes every row count: on a 2-core
-        # Zen 4 EPYC it ran 0.65-0.85x quant_gemm's time at 24-2,048 rows (int4_x16_blocks).
-        self.int4_gemm = self.gemm and (not self.qw.interleaved or self.module.linear_amx_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
             return quant_linear_triton(x, self.qw, self.bias)
         rows = x.numel() // self.in_features
         qw = self.qw
-        if self.gemm and x.dtype == torch.bfloat16 and (qw.bits == 8 or (self.int4_gemm and rows > self.rows.int4)):
+        if self.gemm and x.dtype == torch.bfloat16 and (qw.bits == 8 or rows > self.rows.int4):
             return self.module.quant_gemm(x, qw.qweight, qw.scales, qw.mins, self.bias, qw.bits, qw.interleaved)
         if self.module is not None and rows <= self._linear_rows(x) and x.dtype in (torch.float32, torch.bfloat16):
             return self.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, self.bias, qw.bits, qw.interleaved)
@@ -381,9 +378,9 @@ class QuantLinear:
 
     def _linear_rows(self, x: torch.Tensor) -> float:
         """Rows up to which quant_linear takes x where quant_gemm does not. Interleaved int4 at
-        every count (on AMX, where quant_gemm takes bf16 x past `rows.int4`, fp32 x too): its
-        integer dots ran 0.32-0.75x the fp32 engine's layers at 4-2,048 rows on a 2-core Zen 3
-        EPYC, where quant_gemm_f32 ran 1.04-1.58x."""
+        every count (where quant_gemm takes bf16 x past `rows.int4`, fp32 x too): its integer
+        dots ran 0.32-0.75x the fp32 engine's layers at 4-2,048 rows on a 2-core Zen 3 EPYC,
+        where quant_gemm_f32 ran 1.04-1.58x."""
         if self.qw.interleaved:
             return math.inf
         if self.qw.bits == 8 and not self.gemm and x.dtype == torch.float32:

@@ -1837,8 +1837,8 @@ static inline void int4_x8_block(const int8_t* xq, const float* xd, const float*
 // 1.2-1.4x at 1 row, reading two blocks' bytes in lockstep where the one-block form reads one
 // stream (prefetching further ahead, none, or per group did not close it). Over
 // quant_gemm's (bf16 dots over dequantized panels): 0.65x at 24 rows, 0.7x at 32, 0.75x at 64,
-// 0.8x at 128, 0.8-0.85x at 256-2,048, so where no AMX runs quant_gemm this kernel takes
-// interleaved int4 at every row count (kernels/quant.py).
+// 0.8x at 128, 0.8-0.85x at 256-2,048; quant_gemm still takes prompts past 32 rows, whose
+// activations quantized to int8 cost the model too much (kernels/quant.py, INT4_LINEAR_ROWS).
 template <int XS>
 static inline void int4_x16_blocks(const int8_t* xq, const float* xd, const float* xs, int64_t k, const uint8_t* w,
                                    const uint8_t* w1, const at::Half* d, const at::Half* d1, const at::Half* mn,
@@ -2159,18 +2159,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
-// Interleaved int4 (int4_x8_block's layout): where row `row`'s group g lies, its 16 bytes in the
-// standard order (byte j: weight j low, j + 16 high) into `bytes`, and the index of its d and m.
-// Vector p's 4 bytes (at x8_bytes + 32 p) hold weights 4p.. (low) and 4p + 16.. (high): the
-// standard bytes 4p..4p + 3.
+// Interleaved int4 (int4_x8_block's layout): where row `row`'s group g starts. Vector p's 4
+// bytes (at x8_bytes + 32 p) hold weights 4p.. (low) and 4p + 16.. (high): the standard bytes
+// 4p..4p + 3.
 static inline const uint8_t* x8_bytes(const uint8_t* qw, int64_t groups, int64_t row, int64_t g) {
   return qw + ((row / X8_ROWS) * groups + g) * X8_GROUP_BYTES + 4 * (row % X8_ROWS);
 }
 
+// The index of that group's d and m.
 static inline int64_t x8_index(int64_t groups, int64_t row, int64_t g) {
   return ((row / X8_ROWS) * groups + g) * X8_ROWS + row % X8_ROWS;
 }
 
+// Row `row`'s group g: its 16 bytes in the standard order (byte j: weight j low, j + 16 high)
+// into `bytes`, and the index of its d and m.
 static inline int64_t x8_group(const uint8_t* qw, int64_t groups, int64_t row, int64_t g, uint8_t* bytes) {
   const uint8_t* wg = x8_bytes(qw, groups, row, g);
   for (int p = 0; p < 4; ++p) std::memcpy(bytes + 4 * p, wg + 32 * p, 4);
@@ -2669,9 +2671,9 @@ static void amx_panels(int64_t n, int64_t k, Run&& run) {
   });
 }
 
-static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, bool interleaved,
-                                         int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
-                                         int64_t k) {
+static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
+                                         int64_t bits, bool interleaved, const at::BFloat16* bias, at::BFloat16* out, int64_t m,
+                                         int64_t n, int64_t k) {
   const int64_t kb = k / 32, blocks = (m + 15) / 16;
   uint32_t* xp = scratch<1>(blocks * kb * 256);
   pack_x_amx(x, m, k, xp);
@@ -2704,9 +2706,9 @@ static void quant_gemm_amx_weights_first(const at::BFloat16* x, const uint8_t* q
   });
 }
 
-static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins, bool interleaved,
-                                      int64_t bits, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
-                                      int64_t k) {
+static void quant_gemm_amx_rows_first(const at::BFloat16* x, const uint8_t* qw, const void* scales, const void* mins,
+                                      int64_t bits, bool interleaved, const at::BFloat16* bias, at::BFloat16* out, int64_t m,
+                                      int64_t n, int64_t k) {
   const int64_t kb = k / 32, blocks = (m + 15) / 16, tail = m % 16;
   std::vector<at::BFloat16> pad(tail ? 16 * k : 0, at::BFloat16(0.f));
   if (tail) std::memcpy(pad.data(), x + (m - tail) * k, tail * k * sizeof(at::BFloat16));
@@ -2745,8 +2747,8 @@ static void quant_gemm_kernel(const at::BFloat16* x, const uint8_t* qw, const vo
                               bool interleaved, const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n, int64_t k) {
 #if defined(HAVE_AMX)
   if (amx_usable()) {
-    if (m <= AMX_WEIGHTS_FIRST_ROWS) quant_gemm_amx_weights_first(x, qw, scales, mins, interleaved, bits, bias, out, m, n, k);
-    else quant_gemm_amx_rows_first(x, qw, scales, mins, interleaved, bits, bias, out, m, n, k);
+    if (m <= AMX_WEIGHTS_FIRST_ROWS) quant_gemm_amx_weights_first(x, qw, scales, mins, bits, interleaved, bias, out, m, n, k);
+    else quant_gemm_amx_rows_first(x, qw, scales, mins, bits, interleaved, bias, out, m, n, k);
     return;
   }
 #endif

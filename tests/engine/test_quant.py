@@ -183,10 +183,10 @@ def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
 
 @pytest.mark.parametrize("verify_rows", [1, 40])
 def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_rows):
-    """int8: quant_gemm at every row count; int4 (interleaved): its integer kernel at every row
-    count, except on AMX up to INT4_LINEAR_ROWS rows, or a verifying pass's rows when more
-    (each then gets the bits a one-row decode does), and quant_gemm above. Where bf16 is not
-    native, int8's kernel up to KERNEL_ROWS and oneDNN over the dequantized copy above."""
+    """int8: quant_gemm at every row count; int4: its integer kernel up to INT4_LINEAR_ROWS rows,
+    or a verifying pass's rows when more (each then gets the bits a one-row decode does),
+    quant_gemm above. Where bf16 is not native, int8's kernel up to KERNEL_ROWS and oneDNN over
+    the dequantized copy above."""
     g = torch.Generator().manual_seed(6)
     w = torch.randn(64, 96, generator=g) * 0.05
     int4_rows = max(quant.INT4_LINEAR_ROWS, verify_rows)
@@ -199,7 +199,7 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_
             if not compiled.quant_gemm_available():
                 want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved) \
                     if rows <= quant.KERNEL_ROWS or qw.interleaved else F.linear(x, quant.dequantize(qw, torch.bfloat16))
-            elif bits == 8 or (rows > int4_rows and compiled.linear_amx_available()):
+            elif bits == 8 or rows > int4_rows:
                 want = gemm
             else:
                 want = layer.module.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved)
