@@ -20,10 +20,10 @@ at the second token.
 decode step, where it streams 10 or 5 bits per weight instead of 16; longer prefill chunks
 dequantize the weights into a temporary and take oneDNN's GEMM, which is compute-bound there.
 Where the CPU dots bf16 natively (AVX512-BF16) and x is bf16, `quant_gemm` takes int8 at every
-row count and int4 above `QuantRows.int4` rows: it dequantizes 32 weight rows at a time into a buffer
-that stays in cache and runs the rows of x against it in bf16 (at par with oneDNN's bf16 GEMM
-at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a row
-whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
+row count and int4 above `QuantRows.int4` rows: it dequantizes 32 weight rows at a time into a
+buffer that stays in cache and runs the rows of x against it in bf16 (at par with oneDNN's bf16
+GEMM at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a
+row whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
 linear_amx's bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model, where the
 vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.int4`
 rows (INT4_LINEAR_ROWS, raised by the engine to a verifying pass's 1 + k rows): a verifying pass
@@ -37,8 +37,8 @@ went from level with llama.cpp to 1.26x it, paired), and 0.6-0.7x at 1 row, 0.5x
 With AVX512-VNNI, from 8 rows it takes two blocks at a time in 512-bit vectors. Where there
 is no quant_gemm it takes every row count (0.75x the fp32 engine's layers even at 128-2,048
 rows on the Zen 3 EPYC: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), so
-there a row's int4 output does not depend on the batch. Every reader of the weights (dequantize, the
-embedding's rows, quant_gemm, quant_gemm_f32) takes the flag.
+there a row's int4 output does not depend on the batch. Every reader of the weights
+(dequantize, the embedding's rows, quant_gemm, quant_gemm_f32) takes the flag.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
 past `QuantRows.int8` (INT8_LINEAR_ROWS, 20 with AVX-512; raised like int4's for a verifying pass) and int4
 rows past `KERNEL_ROWS` where not interleaved take `quant_gemm_f32`: 64 weight rows at a time

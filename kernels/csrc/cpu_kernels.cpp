@@ -1744,12 +1744,13 @@ static inline void int4_dot_rows(const int8_t* xq, const float* xd, const float*
 // took ~11, and SmolLM2's one-row linears were compute-bound there (a 2-row pass took 1.7x a
 // 1-row one on a 2-core Zen 3 EPYC).
 // out[j] = sum over groups, in order, of dot * (d * xd) + m * xs: the same operations for a row of
-// x whatever rows are beside it, so its 8 outputs have the same bits in any batch.
+// x whatever rows are beside it, so its 8 outputs have the same bits in any batch. out's rows are
+// 16 wide, int4_x16_blocks' width, so quant_rows_x8 holds one array for either.
 static constexpr int64_t X8_ROWS = 8, X8_GROUP_BYTES = 128;
 
 template <int XS>
 static inline void int4_x8_block(const int8_t* xq, const float* xd, const float* xs, int64_t k, const uint8_t* w,
-                                 const at::Half* d, const at::Half* mn, float out[][X8_ROWS]) {
+                                 const at::Half* d, const at::Half* mn, float out[][2 * X8_ROWS]) {
   const int64_t groups = k / 32;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   __m256 acc[XS];
@@ -2087,11 +2088,7 @@ static void quant_rows_x8(int64_t m, int64_t n, int64_t k, const int8_t* xq, con
           });
         } else
 #endif
-        for_rows(rows, [&](auto xs_rows) {
-          float part[4][X8_ROWS];
-          int4_x8_block<xs_rows()>(qi, di, si, k, w, d, mn, part);
-          for (int64_t j = 0; j < xs_rows(); ++j) std::memcpy(sums[j], part[j], sizeof(part[j]));
-        });
+        for_rows(rows, [&](auto xs_rows) { int4_x8_block<xs_rows()>(qi, di, si, k, w, d, mn, sums); });
         for (int64_t j = 0; j < rows; ++j)
           for (int64_t r = 0; r < span * X8_ROWS; ++r) {
             const int64_t col = b * X8_ROWS + r;
