@@ -4,19 +4,25 @@ takes a generation (REST, the platform's SSE endpoint, the WebSocket `start` mes
 
 A 135M model given free rein inside a JSON array or string repeats itself until max_tokens
 (greedy: 5 of 5 documents cut at 200 tokens); a repetition penalty of 1.3 lets it close them,
-so the schema requests here carry one (`extra_body`), as a user of a small model would. Free
-JSON objects close on their own when the prompt names the keys (20 of 20, 15-23 tokens).
+so the schema requests here carry one (`extra_body`), as a user of a small model would. The
+penalty alone closes the unquantized model's 20 person records, but not always a quantized
+one's: under INFERENCE_QUANTIZATION=int4 on a 2-core AMX Xeon one record of 20 ran a string
+to max_tokens in 2 of 3 runs, which one depending on the batch it decoded in (a step of up to
+32 rows quantizes the activations, a longer one does not). So `Person` bounds its strings,
+lists and numbers as well (maxLength, maxItems, a range), as a user who needs every document
+to close would: the grammar then ends each one, whatever the weights' numerics. Free JSON
+objects close on their own when the prompt names the keys (20 of 20, 15-23 tokens).
 """
 from __future__ import annotations
 
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from websockets.asyncio.client import connect
 
@@ -37,18 +43,25 @@ PEOPLE = [
 ]
 
 
+Text = Annotated[str, Field(max_length=40)]
+
+
 class Address(BaseModel):
-    city: str
-    country: str
+    city: Text
+    country: Text
 
 
 class Person(BaseModel):
-    name: str
-    age: int
+    name: Text
+    age: int = Field(ge=0, le=150)
     role: Literal["engineer", "artist", "doctor", "teacher", "scientist", "other"]
-    skills: list[str]
+    skills: list[Text] = Field(max_length=5)
     address: Address
-    nickname: Optional[str] = None
+    nickname: Optional[Text] = None
+
+
+# Room for the longest document Person allows: nine strings of 40 characters and the rest.
+DOCUMENT_TOKENS = 500
 
 
 
@@ -63,7 +76,7 @@ def in_parallel(work, items) -> list:
 
 def test_a_pydantic_model_comes_back_parsed_for_every_prompt(sdk: openai.OpenAI, served_model: str):
     def parse(who: str):
-        return sdk.chat.completions.parse(model=served_model, messages=ask(who), response_format=Person, max_tokens=300,
+        return sdk.chat.completions.parse(model=served_model, messages=ask(who), response_format=Person, max_tokens=DOCUMENT_TOKENS,
                                              temperature=0, extra_body=PENALTY)
     completions = in_parallel(parse, PEOPLE)
     parsed = [c.choices[0].message.parsed for c in completions]
@@ -73,7 +86,7 @@ def test_a_pydantic_model_comes_back_parsed_for_every_prompt(sdk: openai.OpenAI,
 
 def test_a_streamed_pydantic_model_comes_back_parsed_and_as_the_plain_one(sdk: openai.OpenAI, served_model: str):
     def stream(who: str):
-        with sdk.chat.completions.stream(model=served_model, messages=ask(who), response_format=Person, max_tokens=300,
+        with sdk.chat.completions.stream(model=served_model, messages=ask(who), response_format=Person, max_tokens=DOCUMENT_TOKENS,
                                             temperature=0, extra_body=PENALTY) as events:
             return events.get_final_completion()
     completions = in_parallel(stream, PEOPLE)
@@ -81,12 +94,12 @@ def test_a_streamed_pydantic_model_comes_back_parsed_and_as_the_plain_one(sdk: o
     assert all(isinstance(p, Person) for p in parsed), [c.choices[0].message.content for c in completions]
     # Greedy: the streamed documents are the plain ones, token for token. Not with quantized
     # weights (the serving tests also run under INFERENCE_QUANTIZATION): there a step of up to
-    # 32 rows quantizes the activations (kernels/quant.py) and a longer one does not, so a prompt
-    # prefilled beside nineteen others and the same prompt alone can part at some token (seen
-    # with int4 on a 2-core Xeon).
+    # 32 rows quantizes the activations (kernels/quant.py) and a longer one does not, so a record
+    # decoded beside nine others and the same record alone can part at some token (with int4 and
+    # a draft on a 2-core AMX Xeon, 16 of 20 records differed).
     if os.environ.get("INFERENCE_QUANTIZATION", "none") == "none":
         plain = sdk.chat.completions.parse(model=served_model, messages=ask(PEOPLE[0]), response_format=Person,
-                                              max_tokens=300, temperature=0, extra_body=PENALTY)
+                                              max_tokens=DOCUMENT_TOKENS, temperature=0, extra_body=PENALTY)
         assert completions[0].choices[0].message.content == plain.choices[0].message.content
 
 
