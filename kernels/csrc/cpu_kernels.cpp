@@ -1840,6 +1840,8 @@ static inline void int4_x8_block(const int8_t* xq, const float* xd, const float*
 // quant_gemm's (bf16 dots over dequantized panels): 0.65x at 24 rows, 0.7x at 32, 0.75x at 64,
 // 0.8x at 128, 0.8-0.85x at 256-2,048; quant_gemm still takes prompts past 32 rows, whose
 // activations quantized to int8 cost the model too much (kernels/quant.py, INT4_LINEAR_ROWS).
+// On a 2-core AMX Xeon (480 MB of L3, the int4 model always in cache), over int4_x8_block's:
+// 0.8x at 8-32 rows, 0.88x at 4, level at 1-2 (X16_ROWS stays 8: Zen 4 reads from memory).
 template <int XS>
 static inline void int4_x16_blocks(const int8_t* xq, const float* xd, const float* xs, int64_t k, const uint8_t* w,
                                    const uint8_t* w1, const at::Half* d, const at::Half* d1, const at::Half* mn,
@@ -2603,8 +2605,10 @@ static inline void fused_block(const at::BFloat16* x, int64_t k, const uint8_t* 
 // form 0.8x at 1,024 (its transposed stores) and the rows-first 0.25x at one row (its
 // transposes). Both sum an output as one chain of TDPBF16PS over the inputs in order, of the
 // same pairs' products, whatever the rows beside it: a row gets the same bits in any batch, in
-// either form.
-static constexpr int64_t AMX_WEIGHTS_FIRST_ROWS = 128;
+// either form. The crossing, int8 over the 30 layers on a 2-core AMX Xeon (family 6 model 167):
+// weights-first 22.5 ms at 64 rows against rows-first 27.0, 33.8 against 30.1 at 96, 40.5
+// against 34.8 at 128 (at 128 before, 0.85-0.95x of its time at 96-128 rows now).
+static constexpr int64_t AMX_WEIGHTS_FIRST_ROWS = 80;
 
 // x as pack_amx packs a weight: xp[b][i][r][2c + j] = x[16b + c][32i + 2r + j], zero past m.
 static void pack_x_amx(const at::BFloat16* x, int64_t m, int64_t k, uint32_t* xp) {

@@ -170,7 +170,7 @@ def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(compiled, bits, int
 def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
     """int8 in a bf16 engine takes quant_gemm at every row count: a request's output must not
     depend on how many others share its step (one row, two, a panel's worth, a prefill; on AMX
-    the form changes past 128 rows)."""
+    the form changes past 80 rows)."""
     g = torch.Generator().manual_seed(5)
     qw = quant.quantize(torch.randn(577, 576, generator=g) * 0.05, 8)
     x = (torch.randn(200, 576, generator=g) * 3).bfloat16()
