@@ -26,8 +26,9 @@ GEMM at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the sam
 row whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
 linear_amx's bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model, where the
 vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.int4`
-rows (INT4_LINEAR_ROWS, raised by the engine to a verifying pass's 1 + k rows): a verifying pass
-of speculative decoding must compute a row as a one-row decode does.
+rows: every row count, except where AMX runs quant_gemm (INT4_LINEAR_ROWS there, raised by the
+engine to a verifying pass's 1 + k rows: a verifying pass of speculative decoding must compute a
+row as a one-row decode does).
 On every CPU a layer holds int4 weights interleaved by 8 output rows (`interleave`: the same
 bytes and scales, reordered once at load), so the kernel dots 8 rows in one vector and applies
 their scales as they lie: SmolLM2's layers and LM head took 0.66-0.83x the row-by-row form's
@@ -36,8 +37,9 @@ went from level with llama.cpp to 1.26x it, paired), and 0.6-0.7x at 1 row, 0.5x
 2-core Zen 4 EPYC (batch-1 int4 decode there from 1.16-1.24x llama.cpp to 1.57x, paired).
 With AVX512-VNNI, from 8 rows it takes two blocks at a time in 512-bit vectors. Where there
 is no quant_gemm it takes every row count (0.75x the fp32 engine's layers even at 128-2,048
-rows on the Zen 3 EPYC: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), so
-there a row's int4 output does not depend on the batch. Every reader of the weights
+rows on the Zen 3 EPYC: `maddubs` multiplies 32 byte pairs where an FMA does 8 floats), and
+where quant_gemm runs without AMX too (0.65-0.85x quant_gemm's time at 8-2,048 rows on the Zen
+4): there a row's int4 output does not depend on the batch. Every reader of the weights
 (dequantize, the embedding's rows, quant_gemm, quant_gemm_f32) takes the flag.
 Where there is no quant_gemm and x is fp32 (the engine's dtype without AVX512-BF16), int8 rows
 past `QuantRows.int8` (INT8_LINEAR_ROWS, 20 with AVX-512; raised like int4's for a verifying pass) and int4
@@ -75,18 +77,21 @@ SCALE_DTYPES = {8: torch.float32, 4: torch.float16}
 # weights and oneDNN. No bench times this crossing alone (bench/kernels_ab.py times
 # quant_linear at 1, 2 and 5 rows); the offline rows of bench/engine_throughput.py show its effect.
 KERNEL_ROWS = 32
-# int4 where quant_gemm runs (AVX512-BF16, bf16 x): quant_linear up to this many rows, quant_gemm
-# past it. On a 2-core Zen 4 EPYC (quant_gemm's vdpbf16ps form, which reads the interleaved
+# int4 where quant_gemm runs on AMX tiles (bf16 x): quant_linear up to this many rows, quant_gemm
+# past it; where quant_gemm runs without AMX, quant_linear at every row count (int4_linear_rows).
+# On a 2-core Zen 4 EPYC (quant_gemm's vdpbf16ps form, which reads the interleaved
 # weights as fast as rows: 0.98-1.02x), SmolLM2's 30 layers and LM head, the interleaved kernel's
 # time over quant_gemm's with 8-row blocks one at a time: 0.50x at 4 rows, 0.56x at 8, 0.79x at
 # 16, 0.92x at 24, 0.95x at 32, 1.11x at 64, 1.25x at 256 (the row-by-row form before it: 0.40x
 # at 1 row, 1.18x at 9, 1.91x at 32, so this was 8). With two blocks at a time from 8 rows
-# (int4_x16_blocks) it ran 0.65-0.85x at every count, but taking every count, prompts too,
-# lost the model: their activations quantized to int8 in prefill, 1-2 of the 20 person records of
-# tests/serving/test_structured_output.py ran to max_tokens under INFERENCE_QUANTIZATION=int4
-# (0 of 20 with quant_gemm past 32 rows). On a 2-core AMX Xeon (quant_gemm on AMX tiles), the
-# interleaved kernel's time over quant_gemm's: 0.30x at 1 row, 0.39x at 4, 0.45x at 8, 0.65x at
-# 16, 1.05x at 32, 1.44x at 64, 2.3x at 256: the same crossing.
+# (int4_x16_blocks) it ran 0.65-0.85x at every count (offline int4 480 -> 571 tok/s). Prompts'
+# activations quantized to int8 cost the model little: perplexity on tests/engine/data's text,
+# bf16 engine, +5.68% over the unquantized model's against +5.61% with quant_gemm's bf16 x past
+# 32 rows (2-core AMX Xeon). They once sent 1-2 of the 20 person records of
+# tests/serving/test_structured_output.py to max_tokens, which records depending on the
+# numerics; that test now bounds its documents. On a 2-core AMX Xeon (quant_gemm on AMX tiles),
+# the interleaved kernel's time over quant_gemm's: 0.30x at 1 row, 0.39x at 4, 0.45x at 8,
+# 0.65x at 16, 1.05x at 32, 1.44x at 64, 2.3x at 256.
 INT4_LINEAR_ROWS = 32
 # int8 where there is no quant_gemm and x is fp32: quant_linear up to this many rows,
 # quant_gemm_f32 past it. SmolLM2's 30 layers on a 2-core Zen 3 EPYC (AVX2), time over the fp32
@@ -101,6 +106,14 @@ INT8_LINEAR_ROWS = 7
 INT8_LINEAR_ROWS_AVX512 = 20
 
 
+def int4_linear_rows() -> float:
+    """Rows up to which interleaved int4 takes quant_linear where quant_gemm runs: INT4_LINEAR_ROWS
+    where quant_gemm runs on AMX tiles, every row count (inf) where it runs without them."""
+    module = cpu_ext.load()
+    amx = module is not None and module.quant_gemm_available() and module.linear_amx_available()
+    return INT4_LINEAR_ROWS if amx else math.inf
+
+
 def int8_linear_rows() -> int:
     """INT8_LINEAR_ROWS for the CPU the kernels were built for."""
     module = cpu_ext.load()
@@ -112,7 +125,7 @@ class QuantRows:
     """Row counts a model's quantized layers switch kernels at, one object shared by them all,
     so the engine can set them for the model it was handed (`LlamaModel.verify_rows`)."""
 
-    int4: int = INT4_LINEAR_ROWS
+    int4: float = field(default_factory=int4_linear_rows)
     int8: int = field(default_factory=int8_linear_rows)
 
 

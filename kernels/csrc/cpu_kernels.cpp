@@ -1838,8 +1838,8 @@ static inline void int4_x8_block(const int8_t* xq, const float* xd, const float*
 // 1.2-1.4x at 1 row, reading two blocks' bytes in lockstep where the one-block form reads one
 // stream (prefetching further ahead, none, or per group did not close it). Over
 // quant_gemm's (bf16 dots over dequantized panels): 0.65x at 24 rows, 0.7x at 32, 0.75x at 64,
-// 0.8x at 128, 0.8-0.85x at 256-2,048; quant_gemm still takes prompts past 32 rows, whose
-// activations quantized to int8 cost the model too much (kernels/quant.py, INT4_LINEAR_ROWS).
+// 0.8x at 128, 0.8-0.85x at 256-2,048, so without AMX int4 takes this kernel at every row
+// count (kernels/quant.py, int4_linear_rows).
 // On a 2-core AMX Xeon (480 MB of L3, the int4 model always in cache), over int4_x8_block's:
 // 0.8x at 8-32 rows, 0.88x at 4, level at 1-2 (X16_ROWS stays 8: Zen 4 reads from memory).
 template <int XS>

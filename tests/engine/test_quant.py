@@ -133,7 +133,7 @@ def test_quant_gemm_computes_x_times_the_weights_dequantized_to_bf16(compiled, b
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 40, 200])
 def test_quant_gemm_reads_interleaved_int4_as_the_rows_it_came_from(compiled, rows):
-    """Past INT4_LINEAR_ROWS a layer's interleaved int4 weights go to quant_gemm: each output
+    """On AMX, past INT4_LINEAR_ROWS a layer's interleaved int4 weights go to quant_gemm: each output
     has the bits it has from the weights as they were (one and two rows dequantize in
     registers, more through panels, on AMX through its tiles)."""
     g = torch.Generator().manual_seed(rows)
@@ -183,17 +183,18 @@ def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
 
 @pytest.mark.parametrize("verify_rows", [1, 40])
 def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_rows):
-    """int8: quant_gemm at every row count; int4: its integer kernel up to INT4_LINEAR_ROWS rows,
-    or a verifying pass's rows when more (each then gets the bits a one-row decode does),
-    quant_gemm above. Where bf16 is not native, int8's kernel up to KERNEL_ROWS and oneDNN over
-    the dequantized copy above."""
+    """int8: quant_gemm at every row count; int4: its integer kernel at every row count, or where
+    quant_gemm runs on AMX up to INT4_LINEAR_ROWS rows, or a verifying pass's rows when more
+    (each then gets the bits a one-row decode does), quant_gemm above. Where bf16 is not
+    native, int8's kernel up to KERNEL_ROWS and oneDNN over the dequantized copy above."""
     g = torch.Generator().manual_seed(6)
     w = torch.randn(64, 96, generator=g) * 0.05
-    int4_rows = max(quant.INT4_LINEAR_ROWS, verify_rows)
+    crossing = max(quant.INT4_LINEAR_ROWS, verify_rows)
+    int4_rows = max(quant.int4_linear_rows(), verify_rows)
     for bits in (8, 4):
         layer = quant.QuantLinear(quant.quantize(w, bits), rows=quant.QuantRows(int4_rows))
         qw = layer.qw
-        for rows in sorted({1, int4_rows, int4_rows + 1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1}):
+        for rows in sorted({1, crossing, crossing + 1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 200}):
             x = torch.randn(rows, 96, generator=g).bfloat16()
             gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved)
             if not compiled.quant_gemm_available():
@@ -206,16 +207,30 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_
             assert torch.equal(layer(x), want), (bits, rows)
 
 
+def test_an_int4_bf16_layer_gives_a_row_the_same_bits_in_any_batch_where_amx_does_not_run_quant_gemm(compiled):
+    """Without AMX an int4 layer takes its integer kernel at every row count, so a request's
+    greedy int4 output does not depend on what shares its steps (a 200-row prefill, 40 decodes
+    or one). On AMX quant_gemm takes past INT4_LINEAR_ROWS rows, and only counts up to it agree."""
+    g = torch.Generator().manual_seed(8)
+    layer = quant.QuantLinear(quant.quantize(torch.randn(576, 576, generator=g) * 0.05, 4))
+    x = (torch.randn(200, 576, generator=g) * 3).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(200)])
+    for size in (2, 5, 32, 40, 200):
+        if size <= quant.int4_linear_rows():
+            for start in range(0, 200, size):
+                assert torch.equal(layer(x[start:start + size]), alone[start:start + size]), (size, start)
+
+
 def test_an_engine_speculating_k_tokens_keeps_int4_verifying_passes_on_the_decode_kernel():
     model = LlamaModel(TINY_QUANT, random_tensors(TINY_QUANT, 0, std=0.5), torch.bfloat16, torch.device("cpu"),
                        quantization="int4")
     LLMEngine(EngineConfig(num_blocks=16, block_size=4), LoadedModel(model))
-    assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS
+    assert model.quant_rows.int4 == quant.int4_linear_rows()
     LLMEngine(EngineConfig(num_blocks=16, block_size=4, speculative="ngram", num_speculative_tokens=12), LoadedModel(model))
-    assert model.quant_rows.int4 == max(quant.INT4_LINEAR_ROWS, 13) and model.lm_head.rows is model.quant_rows
+    assert model.quant_rows.int4 == max(quant.int4_linear_rows(), 13) and model.lm_head.rows is model.quant_rows
     assert model.quant_rows.int8 == max(quant.int8_linear_rows(), 13)  # int8 in an fp32 engine: its own row count
-    model.verify_rows(quant.INT4_LINEAR_ROWS + 8)  # a pass past the crossing raises it
-    assert model.quant_rows.int4 == quant.INT4_LINEAR_ROWS + 8
+    model.verify_rows(quant.INT4_LINEAR_ROWS + 8)  # a pass past the crossing raises it (where there is one)
+    assert model.quant_rows.int4 == max(quant.int4_linear_rows(), quant.INT4_LINEAR_ROWS + 8)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -271,7 +271,7 @@ class LlamaModel(torch.nn.Module):
     def verify_rows(self, rows: int) -> None:
         """A speculative verifying pass of this many rows (1 + k; 1 without speculation) must
         take the kernel a one-row decode does, so each of its rows gets the decode's bits."""
-        self.quant_rows.int4 = max(quant.INT4_LINEAR_ROWS, rows)
+        self.quant_rows.int4 = max(quant.int4_linear_rows(), rows)
         self.quant_rows.int8 = max(quant.int8_linear_rows(), rows)
 
     def weight_bytes(self) -> int:
