@@ -201,12 +201,21 @@ class LlamaModel(torch.nn.Module):
         if quantization != "none" and bits is None:
             raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
             try:
                 t = tensors[name]
             except KeyError:
                 raise ValueError(f"weight {name!r} missing from the checkpoint") from None
-            return t.to(device=device, dtype=dtype).contiguous()
+            return t.to(device=device, dtype=as_dtype or dtype).contiguous()
+
+        def weight(name: str) -> torch.Tensor:
+            # int8 from the checkpoint's own values, not from them rounded to the model's dtype
+            # first: a Q4_1 GGUF's levels then land on its grid exactly, and a bf16 engine's int8
+            # layers hold the bf16 model's weights bit for bit (from bf16-rounded values 24% of
+            # SmolLM2's first qkv weights came out a bf16 step off). int4 stays on the rounded
+            # values: from the exact ones its greedy replies moved, and on AMX one no longer
+            # matched itself beside another request's prompt (int4's batch variance there).
+            return take(name, torch.float32 if bits == 8 else None)
 
         self.ops = kernels.ops_for(device, dtype, kernels_choice)
         self.quant_rows = quant.QuantRows()
@@ -223,8 +232,8 @@ class LlamaModel(torch.nn.Module):
             return QuantGateUp(linear(weight), self.ops.silu_and_mul)
 
         self.tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-        embed = take("model.embed_tokens.weight")
-        self.lm_head = linear(embed if self.tied else take("lm_head.weight"), keep_weight=True)
+        embed = weight("model.embed_tokens.weight")
+        self.lm_head = linear(embed if self.tied else weight("lm_head.weight"), keep_weight=True)
         # Quantized, the table is looked up row by row (`_embed`); tied, it is the head's weight.
         self.embed = embed if bits is None else None
         self.embed_q = None if bits is None or self.tied else quant.quantize(embed, bits)
@@ -238,11 +247,11 @@ class LlamaModel(torch.nn.Module):
             self.layers.append(
                 {
                     "input_norm": take(p + "input_layernorm.weight"),
-                    "qkv": linear(torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias),
-                    "o": linear(take(attn + "o_proj.weight")),
+                    "qkv": linear(torch.cat([weight(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                    "o": linear(weight(attn + "o_proj.weight")),
                     "post_norm": take(p + "post_attention_layernorm.weight"),
-                    "gate_up": gate_up(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                    "down": linear(take(p + "mlp.down_proj.weight")),
+                    "gate_up": gate_up(torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])),
+                    "down": linear(weight(p + "mlp.down_proj.weight")),
                 }
             )
 
@@ -324,12 +333,19 @@ class LlamaModel(torch.nn.Module):
         meta: PagedAttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_blocks, block_size, kv_heads, head_dim]
     ) -> torch.Tensor:
-        cfg = self.config
-        n = input_ids.shape[0]
-        eps = cfg.rms_norm_eps
-        ops = self.ops
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         hidden = self._embed(input_ids)  # [num_tokens, hidden]
+        self.quant_rows.decodes = meta.num_decodes  # the leading rows (kernels/quant.py, QuantLinear)
+        try:
+            return self._layers(hidden, cos, sin, slot_mapping, meta, kv_caches)
+        finally:
+            self.quant_rows.decodes = None
+
+    def _layers(self, hidden, cos, sin, slot_mapping, meta, kv_caches) -> torch.Tensor:
+        cfg = self.config
+        n = hidden.shape[0]
+        eps = cfg.rms_norm_eps
+        ops = self.ops
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
