@@ -24,12 +24,22 @@ Where the CPU dots bf16 natively (AVX512-BF16) and x is bf16, `quant_gemm` takes
 row count and int4 above `QuantRows.int4` rows: it dequantizes 32 weight rows at a time into a
 buffer that stays in cache and runs the rows of x against it in bf16 (at par with oneDNN's bf16
 GEMM at 256-1,024 rows, ahead below), so int8 computes x @ W_bf16.T with the same bits for a
-row whatever batch it is in. On a CPU with AMX the same panels feed AMX's tiles (0.4-0.97x
-linear_amx's bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model, where the
-vdpbf16ps form ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.int4`
-rows: every row count, except where AMX runs quant_gemm (INT4_LINEAR_ROWS there, raised by the
-engine to a verifying pass's 1 + k rows: a verifying pass of speculative decoding must compute a
-row as a one-row decode does).
+row whatever batch it is in. Without AMX a bf16 model's int8 layers hold their weights in
+those panels' order (`interleave`, int8: 16 outputs' pairs of bytes a vector), so quant_gemm
+widens them into a panel's vectors with no gather or transpose, up to 12 rows in registers
+with no panel written: a row's output has the bits of the bf16 model's own kernel
+(linear_panels) over the same weights, and a bf16 engine's int8 greedy output and perplexity
+equal its bf16's. SmolLM2's 30 layers and LM head streamed from memory on a 2-core Zen 5 EPYC,
+time over linear_panels' bf16: 0.84-1.0x at 1-8 rows, 1.1x at 12, 1.2-1.45x at 13-32, 1.12x
+at 64, 1.04-1.09x at 128-256; from weight rows with a transpose it was 2.3-3.2x at 1-32 rows,
+1.5x at 64, 1.15-1.3x at 128-256. Past a few rows it stays above 1x: each weight costs a
+widening, an FMA and a rounding on the ports the bf16 dots use, and bf16 is compute-bound
+from ~10 rows there. On a CPU with AMX the panels feed AMX's tiles (0.4-0.97x linear_amx's
+bf16 at 1-1,024 rows on a 2-core Xeon whose L3 holds the bf16 model, where the vdpbf16ps form
+ran 0.2x at 64 rows). int4 keeps `quant_linear` up to `QuantRows.int4` rows: every row count,
+except where AMX runs quant_gemm (INT4_LINEAR_ROWS there, raised by the engine to a verifying
+pass's 1 + k rows: a verifying pass of speculative decoding must compute a row as a one-row
+decode does).
 On every CPU a layer holds int4 weights interleaved by 8 output rows (`interleave`: the same
 bytes and scales, reordered once at load), so the kernel dots 8 rows in one vector and applies
 their scales as they lie: SmolLM2's layers and LM head took 0.66-0.83x the row-by-row form's
@@ -140,8 +150,8 @@ class QuantizedWeight:
     scales: torch.Tensor  # [n, k / 32], SCALE_DTYPES[bits]
     mins: torch.Tensor  # likewise
     in_features: int
-    # int4 in blocks of 8 output rows (`interleave`): the same bytes and scales, in the order
-    # the compiled one-row kernel reads them.
+    # int4 in blocks of 8 output rows, int8 in half panels of 16 (`interleave`): the same bytes
+    # and scales, in the order a compiled kernel reads them.
     interleaved: bool = False
 
     @property
@@ -203,20 +213,41 @@ def _fit(w: torch.Tensor, m: torch.Tensor, d: torch.Tensor, top: int, scale_dtyp
     return q.to(torch.uint8), d, error, m
 
 
-# Output rows a block of `interleave` holds.
+# Output rows a block of `interleave` holds: int4's 8, int8's 16 (a half panel of quant_gemm).
 INTERLEAVE = 8
+INTERLEAVE_INT8 = 16
+
+
+def block_rows(bits: int) -> int:
+    """Output rows in one interleaved block of `bits`-bit weights."""
+    return INTERLEAVE if bits == 4 else INTERLEAVE_INT8
 
 
 def interleave(qw: QuantizedWeight) -> QuantizedWeight:
-    """int4 weights with their output rows in blocks of 8, group by group: a block's group is 4
-    vectors of 32 bytes, bytes 4i..4i+3 of vector p holding row i's weights 4p..4p+3 (low
-    nibbles) and 4p+16..4p+19 (high), and d and m [n / 8, k / 32, 8]. The compiled kernel then
-    dots 8 rows in one vector, lane by lane (kernels/csrc/cpu_kernels.cpp, int4_x8_block)."""
+    """The weights reordered once at load into the order a compiled kernel reads them, their
+    bytes and scales unchanged (`nbytes` the same):
+
+    - int4 in blocks of 8 output rows, group by group: a block's group is 4 vectors of 32 bytes,
+      bytes 4i..4i+3 of vector p holding row i's weights 4p..4p+3 (low nibbles) and 4p+16..4p+19
+      (high), d and m [n / 8, k / 32, 8]. The compiled kernel then dots 8 rows in one vector,
+      lane by lane (kernels/csrc/cpu_kernels.cpp, int4_x8_block).
+    - int8 in blocks of 16 output rows, input pair by input pair: [n / 16, k / 2, 16, 2] bytes,
+      d and m [n / 16, k / 32, 16] (out_features a multiple of 32): quant_gemm's panels
+      (kernels.linear.pack_panels' order), so it widens 32 bytes into a panel's vector as they
+      lie, with no transpose (int8_panel_tile)."""
     n, k = qw.out_features, qw.in_features
-    if qw.bits != 4 or n % INTERLEAVE or qw.interleaved:
-        raise ValueError("interleave takes int4 weights, not yet interleaved, with out_features a multiple of "
-                         f"{INTERLEAVE}")
     groups = k // GROUP
+    if qw.interleaved:
+        raise ValueError("the weights are interleaved already")
+    if qw.bits == 8:
+        if n % (2 * INTERLEAVE_INT8):
+            raise ValueError(f"interleave takes int8 weights with out_features a multiple of {2 * INTERLEAVE_INT8}")
+        q = qw.qweight.view(n // INTERLEAVE_INT8, INTERLEAVE_INT8, k // 2, 2).transpose(1, 2)
+        scales, mins = (t.view(n // INTERLEAVE_INT8, INTERLEAVE_INT8, groups).transpose(1, 2) for t in (qw.scales, qw.mins))
+        return QuantizedWeight(8, q.reshape(n, k).contiguous(), scales.reshape(n, groups).contiguous(),
+                               mins.reshape(n, groups).contiguous(), k, interleaved=True)
+    if n % INTERLEAVE:
+        raise ValueError(f"interleave takes int4 weights with out_features a multiple of {INTERLEAVE}")
     # Standard byte 4p + c of a group is vector p's byte 4i + c for row i.
     q = qw.qweight.view(n // INTERLEAVE, INTERLEAVE, groups, 4, 4).permute(0, 2, 3, 1, 4)
     scales, mins = (t.view(n // INTERLEAVE, INTERLEAVE, groups).transpose(1, 2) for t in (qw.scales, qw.mins))
@@ -230,9 +261,13 @@ def deinterleave(qw: QuantizedWeight) -> QuantizedWeight:
         return qw
     n, k = qw.out_features, qw.in_features
     groups = k // GROUP
-    q = qw.qweight.view(n // INTERLEAVE, groups, 4, INTERLEAVE, 4).permute(0, 3, 1, 2, 4)
-    scales, mins = (t.view(n // INTERLEAVE, groups, INTERLEAVE).transpose(1, 2) for t in (qw.scales, qw.mins))
-    return QuantizedWeight(4, q.reshape(n, k // 2).contiguous(), scales.reshape(n, groups).contiguous(),
+    rows = block_rows(qw.bits)
+    if qw.bits == 8:
+        q = qw.qweight.view(n // rows, k // 2, rows, 2).transpose(1, 2).reshape(n, k)
+    else:
+        q = qw.qweight.view(n // rows, groups, 4, rows, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 2)
+    scales, mins = (t.view(n // rows, groups, rows).transpose(1, 2) for t in (qw.scales, qw.mins))
+    return QuantizedWeight(qw.bits, q.contiguous(), scales.reshape(n, groups).contiguous(),
                            mins.reshape(n, groups).contiguous(), k)
 
 
@@ -260,16 +295,24 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
 
 def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Only `rows` of the weights (an embedding lookup), [len(rows), k]."""
+    if qw.interleaved and qw.bits == 8:
+        # Each row's bytes and scales gathered back into rows: no block dequantized whole.
+        n, k, size = qw.out_features, qw.in_features, INTERLEAVE_INT8
+        blocks, lanes = rows // size, rows % size
+        q = qw.qweight.view(n // size, k // 2, size, 2)[blocks, :, lanes].reshape(len(rows), k)
+        scales, mins = (t.view(n // size, -1, size)[blocks, :, lanes] for t in (qw.scales, qw.mins))
+        return dequantize(QuantizedWeight(8, q, scales.contiguous(), mins.contiguous(), k), dtype)
     if qw.interleaved:
         # The blocks that hold the rows, dequantized whole; then each row from its block.
-        blocks = rows // INTERLEAVE
-        span = qw.qweight.shape[1] * INTERLEAVE, qw.scales.shape[1] * INTERLEAVE
+        size = block_rows(qw.bits)
+        blocks = rows // size
+        span = qw.qweight.shape[1] * size, qw.scales.shape[1] * size
         part = QuantizedWeight(
-            4, qw.qweight.view(-1, span[0])[blocks].view(-1, qw.qweight.shape[1]),
+            qw.bits, qw.qweight.view(-1, span[0])[blocks].view(-1, qw.qweight.shape[1]),
             qw.scales.view(-1, span[1])[blocks].view(-1, qw.scales.shape[1]),
             qw.mins.view(-1, span[1])[blocks].view(-1, qw.mins.shape[1]), qw.in_features, interleaved=True)
-        whole = dequantize(part, dtype).view(len(rows), INTERLEAVE, qw.in_features)
-        return whole[torch.arange(len(rows)), rows % INTERLEAVE]
+        whole = dequantize(part, dtype).view(len(rows), size, qw.in_features)
+        return whole[torch.arange(len(rows)), rows % size]
     part = QuantizedWeight(qw.bits, qw.qweight[rows], qw.scales[rows], qw.mins[rows], qw.in_features)
     return dequantize(part, dtype)
 
@@ -381,7 +424,7 @@ class QuantLinear:
     """y = x @ W.T + b over quantized weights; holds only the quantized form."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, use_triton: bool = True,
-                 rows: QuantRows | None = None):
+                 rows: QuantRows | None = None, dtype: torch.dtype | None = None):
         self.qw = qw
         self.rows = rows or QuantRows()
         self.bias = bias
@@ -392,7 +435,12 @@ class QuantLinear:
         self.triton = use_triton and qw.qweight.is_cuda and _triton.available()
         self.gemm = self.module is not None and self.module.quant_gemm_available()
         # int4's kernel reads 8 rows interleaved, and quant_gemm reads that layout as well.
-        if self.module is not None and qw.bits == 4 and qw.out_features % INTERLEAVE == 0:
+        if self.module is not None and qw.bits == 4 and not qw.interleaved and qw.out_features % INTERLEAVE == 0:
+            self.qw = interleave(qw)
+        # int8 in a bf16 model (`dtype`, the x it will take) where quant_gemm runs without AMX:
+        # in its panels' order (AMX's forms read weight rows as they are).
+        if (self.module is not None and qw.bits == 8 and not qw.interleaved and dtype == torch.bfloat16 and self.gemm
+                and not self.module.linear_amx_available() and qw.out_features % (2 * INTERLEAVE_INT8) == 0):
             self.qw = interleave(qw)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -425,7 +473,9 @@ class QuantLinear:
         dots ran 0.32-0.75x the fp32 engine's layers at 4-2,048 rows on a 2-core Zen 3 EPYC,
         where quant_gemm_f32 ran 1.04-1.58x."""
         if self.qw.interleaved:
-            return math.inf
+            # int8 in panels is quant_gemm's; x of another dtype (not the model's) takes the panels
+            # to ATen (quant_gemm_f32) or a dequantized copy.
+            return math.inf if self.qw.bits == 4 else 0
         if self.qw.bits == 8 and not self.gemm and x.dtype == torch.float32:
             return self.rows.int8
         return KERNEL_ROWS

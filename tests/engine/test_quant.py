@@ -20,6 +20,7 @@ from inference.engine.engine import LLMEngine, LoadedModel
 from inference.engine.loader import load_model
 from inference.engine.models.llama import LlamaModel, random_tensors
 from kernels import cpu_ext, quant
+from kernels.linear import pack_panels
 from tests.engine.tiny import TINY
 from tests.engine.conftest import CHAT_PROMPTS
 
@@ -75,28 +76,40 @@ def test_int4_interleaved_by_8_rows_computes_what_its_reference_does(compiled, d
         assert (wrong - want).abs().max() > 0.1 * want.abs().max()
 
 
-def test_interleaving_keeps_the_weights_and_every_reader_agrees(compiled):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_interleaving_keeps_the_weights_and_every_reader_agrees(compiled, bits):
     """dequantize (C++ fp32 and bf16, and PyTorch), embedding rows and quant_gemm_f32's panels
     read the interleaved form as the weights it came from."""
     g = torch.Generator().manual_seed(11)
-    qw = quant.quantize(torch.randn(200, 96, generator=g) * 0.05, 4)
+    qw = quant.quantize(torch.randn(224, 96, generator=g) * 0.05, bits)
     mixed = quant.interleave(qw)
     assert torch.equal(quant.deinterleave(mixed).qweight, qw.qweight)
     assert torch.equal(quant.deinterleave(mixed).scales, qw.scales) and torch.equal(quant.deinterleave(mixed).mins, qw.mins)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(quant.dequantize(mixed, dtype), quant.dequantize(qw, dtype))
     assert torch.equal(quant._levels(mixed), quant._levels(qw))
-    ids = torch.tensor([0, 7, 8, 199, 100, 7])
-    assert torch.equal(quant.dequantize_rows(mixed, ids, torch.float32), quant.dequantize_rows(qw, ids, torch.float32))
-    x = torch.randn(quant.KERNEL_ROWS + 9, 96, generator=g)
-    bias = torch.randn(200, generator=g)
-    assert torch.equal(compiled.quant_gemm_f32(x, mixed.qweight, mixed.scales, mixed.mins, bias, 4, True),
-                       compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, bias, 4))
-    with pytest.raises(ValueError, match="multiple of 8"):
-        quant.interleave(quant.quantize(torch.randn(12, 32, generator=g), 4))
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        compiled.quant_linear(x[:1, :32], qw.qweight[:12, :16].contiguous(), qw.scales[:12, :1].contiguous(),
-                              qw.mins[:12, :1].contiguous(), None, 4, True)
+    ids = torch.tensor([0, 7, 8, 17, 223, 100, 7])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(quant.dequantize_rows(mixed, ids, dtype), quant.dequantize_rows(qw, ids, dtype))
+    for rows in (1, quant.KERNEL_ROWS + 9, 300):  # each of quant_gemm_f32's forms
+        x = torch.randn(rows, 96, generator=g)
+        bias = torch.randn(224, generator=g)
+        assert torch.equal(compiled.quant_gemm_f32(x, mixed.qweight, mixed.scales, mixed.mins, bias, bits, True),
+                           compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, bias, bits))
+    # fp32 x reaching an interleaved layer (int8's panels are a bf16 model's) is read right too.
+    layer = quant.QuantLinear(mixed)
+    want = compiled.quant_gemm_f32(x, qw.qweight, qw.scales, qw.mins, None, 8) if bits == 8 else \
+        compiled.quant_linear(x, mixed.qweight, mixed.scales, mixed.mins, None, 4, True)
+    assert torch.equal(layer(x), want)
+    size, width = (12, 16) if bits == 4 else (48, 32)
+    with pytest.raises(ValueError, match="multiple of 8" if bits == 4 else "multiple of 32"):
+        quant.interleave(quant.quantize(torch.randn(size, 32, generator=g), bits))
+    with pytest.raises(RuntimeError, match="multiple of 8" if bits == 4 else "multiple of 32"):
+        compiled.quant_gemm(x[:1, :32].bfloat16(), qw.qweight[:size, :width].contiguous(), qw.scales[:size, :1].contiguous(),
+                            qw.mins[:size, :1].contiguous(), None, bits, True)
+    if bits == 8:
+        with pytest.raises(RuntimeError, match="int8 in panels is quant_gemm's"):
+            compiled.quant_linear(x, mixed.qweight, mixed.scales, mixed.mins, None, 8, True)
 
 
 def test_an_int4_layer_interleaves_its_weights(compiled):
@@ -151,6 +164,29 @@ def test_quant_gemm_reads_interleaved_int4_as_the_rows_it_came_from(compiled, ro
             assert not torch.equal(compiled.quant_gemm(x, mixed.qweight, mixed.scales, mixed.mins, bias, 4), want)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 13, 40, 200])
+def test_int8_in_panels_gives_the_bits_of_the_bf16_model(compiled, rows):
+    """int8 interleaved into quant_gemm's panels: each output has the bits it has from the rows
+    as they were, and where quant_gemm runs without AMX the bits of linear_panels, the bf16
+    model's kernel there, over the same weights in bf16 (up to 12 rows the weights dequantize
+    in registers, more through a panel)."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(32, 32), (96, 64), (576, 576), (64, 1536)]:  # one panel, a few groups, SmolLM2's widths
+        qw = quant.quantize(torch.randn(n, k, generator=g) * 0.05, 8)
+        panels = quant.interleave(qw)
+        assert panels.interleaved and panels.nbytes == qw.nbytes
+        x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        got = compiled.quant_gemm(x, panels.qweight, panels.scales, panels.mins, bias, 8, True)
+        assert torch.equal(got, compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, bias, 8)), (n, k)
+        if compiled.linear_panels_available() and not compiled.linear_amx_available():
+            bf16 = pack_panels(quant.dequantize(qw, torch.bfloat16))
+            assert torch.equal(got, compiled.linear_panels(x, bf16, bias)), (n, k)
+        # Read as if not interleaved, the bytes give another answer: the flag is what makes it right.
+        wrong = compiled.quant_gemm(x, panels.qweight, panels.scales, panels.mins, bias, 8)
+        assert not torch.equal(wrong, got)
+
+
 @pytest.mark.parametrize("bits, interleaved", [(8, False), (4, False), (4, True)], ids=["int8", "int4", "int4-x8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(compiled, bits, interleaved, dtype):
@@ -168,23 +204,27 @@ def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(compiled, bits, int
         assert torch.equal(got, torch.cat(alone[:size])), size
 
 
-def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "panels"])
+def test_quant_gemm_gives_a_row_the_same_bits_in_any_batch(compiled, interleaved):
     """int8 in a bf16 engine takes quant_gemm at every row count: a request's output must not
     depend on how many others share its step (one row, two, a panel's worth, a prefill; on AMX
-    the form changes past 80 rows)."""
+    the form changes past 80 rows, in panels past 12)."""
     g = torch.Generator().manual_seed(5)
-    qw = quant.quantize(torch.randn(577, 576, generator=g) * 0.05, 8)
+    qw = quant.quantize(torch.randn(576 if interleaved else 577, 576, generator=g) * 0.05, 8)
+    if interleaved:
+        qw = quant.interleave(qw)
     x = (torch.randn(200, 576, generator=g) * 3).bfloat16()
-    whole = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, 8)
-    for size in (1, 2, 3, 5, 17, 40, 130):
+    whole = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, 8, interleaved)
+    for size in (1, 2, 3, 5, 12, 13, 17, 40, 130):
         for start in range(0, 200, size):
-            part = compiled.quant_gemm(x[start:start + size], qw.qweight, qw.scales, qw.mins, None, 8)
+            part = compiled.quant_gemm(x[start:start + size], qw.qweight, qw.scales, qw.mins, None, 8, interleaved)
             assert torch.equal(part, whole[start:start + size]), (size, start)
 
 
 @pytest.mark.parametrize("verify_rows", [1, 40])
 def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_rows):
-    """int8: quant_gemm at every row count; int4: its integer kernel at every row count, or where
+    """int8: quant_gemm at every row count (in its panels' order where it runs without AMX);
+    int4: its integer kernel at every row count, or where
     quant_gemm runs on AMX up to INT4_LINEAR_ROWS rows, or a verifying pass's rows when more
     (each then gets the bits a one-row decode does), quant_gemm above. Where bf16 is not
     native, int8's kernel up to KERNEL_ROWS and oneDNN over the dequantized copy above."""
@@ -193,8 +233,12 @@ def test_a_bf16_layer_takes_quant_gemm_where_the_cpu_dots_bf16(compiled, verify_
     crossing = max(quant.INT4_LINEAR_ROWS, verify_rows)
     int4_rows = max(quant.int4_linear_rows(), verify_rows)
     for bits in (8, 4):
-        layer = quant.QuantLinear(quant.quantize(w, bits), rows=quant.QuantRows(int4_rows))
+        layer = quant.QuantLinear(quant.quantize(w, bits), rows=quant.QuantRows(int4_rows), dtype=torch.bfloat16)
         qw = layer.qw
+        # int8 in quant_gemm's panels where it runs without AMX (its AMX forms read rows).
+        panels = compiled.quant_gemm_available() and not compiled.linear_amx_available()
+        assert qw.interleaved == (bits == 4 or panels)
+        assert not quant.QuantLinear(quant.quantize(w, bits), dtype=torch.float32).qw.interleaved or bits == 4
         for rows in sorted({1, crossing, crossing + 1, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 200}):
             x = torch.randn(rows, 96, generator=g).bfloat16()
             gemm = compiled.quant_gemm(x, qw.qweight, qw.scales, qw.mins, None, bits, qw.interleaved)

@@ -224,7 +224,7 @@ class LlamaModel(torch.nn.Module):
             if bits is None:
                 return Linear(weight, bias, kernels_choice=kernels_choice, **options)
             return QuantLinear(quant.quantize(weight, bits), bias, use_triton=kernels_choice != "reference",
-                               rows=self.quant_rows)
+                               rows=self.quant_rows, dtype=dtype)
 
         def gate_up(weight: torch.Tensor) -> GateUp | QuantGateUp:
             if bits is None:
