@@ -156,6 +156,9 @@ class ModelRunner:
             item, seq = items[i], items[i].seq
             k = len(item.draft)
             p = filter_probs(logits[rows[i] : rows[i] + k + 1].float(), [seq] * (k + 1))
+            if seq.generator is not None:
+                out[i] = speculative.verify_seeded(p, list(item.draft), seq.generator)
+                continue
             proposal = q.get(id(seq))
             if proposal is None:
                 proposal = speculative.point_mass(list(item.draft), vocab, logits.device)
@@ -238,6 +241,9 @@ class Drafter:
             spans[i] = (seq, start, span[: items[i].catch_up])
         drafts: dict[int, list[int]] = {i: [] for i in proposing}
         q: dict[int, list[torch.Tensor]] = {i: [] for i in proposing if not seqs[i].params.greedy}
+        # A seeded sequence draws its proposals from a copy of its generator: the uniforms its
+        # verifying pass will draw each position's token with (speculative.verify_seeded).
+        copies = {i: _copy(seqs[i].generator) for i in q if seqs[i].generator is not None}
         live = proposing + catching_up
         while live:
             live.sort(key=lambda i: len(spans[i][2]) != 1)  # decodes first
@@ -248,7 +254,8 @@ class Drafter:
                 idx = torch.tensor([end - 1 for _, end in picking], device=self.model.device)
                 order = [i for i, _ in picking]
                 logits = self.model.compute_logits(hidden[idx])
-                for i, token in zip(order, self._pick(logits, [seqs[i] for i in order], generator, q, order)):
+                generators = [copies.get(i, generator) for i in order]
+                for i, token in zip(order, self._pick(logits, [seqs[i] for i in order], generators, q, order)):
                     seq, start, span = spans[i]
                     drafts[i].append(token)
                     spans[i] = (seq, start + len(span), [token])
@@ -261,20 +268,27 @@ class Drafter:
             items[i] = replace(items[i], draft=tuple(drafts[i]))
         return items, {id(seqs[i]): torch.stack(rows) for i, rows in q.items()}
 
-    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator,
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator],
               q: dict[int, list[torch.Tensor]], order: list[int]) -> list[int]:
         """One proposal per row: the argmax for greedy sequences, else a draw from the draft's
-        filtered distribution (kept in `q` for the rejection test)."""
+        filtered distribution with the row's generator (kept in `q` for the rejection test)."""
         tokens = self.model.ops.argmax_rows(logits).tolist()
         sampled = [j for j, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
             probs = filter_probs(logits[sampled].float(), [seqs[j] for j in sampled])
             probs = probs / probs.sum(-1, keepdim=True)
-            drawn = draw(probs, [seqs[j].generator or generator for j in sampled]).tolist()
+            drawn = draw(probs, [generators[j] for j in sampled]).tolist()
             for row, j in enumerate(sampled):
                 tokens[j] = drawn[row]
                 q[order[j]].append(probs[row])
         return tokens
+
+
+def _copy(generator: torch.Generator) -> torch.Generator:
+    """Another generator in the same state: its draws are the ones `generator` will make next."""
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
 
 
 def prepare(spans: list[tuple[Sequence, int, list[int]]], block_size: int, device: torch.device, kv_caches,

@@ -10,7 +10,9 @@ one token of its own, so a step emits 1 to k + 1 tokens.
 `verify` is rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft token x_i,
 drawn from q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)); the first rejection
 draws from norm(max(0, p_i - q_i)); when all k are accepted a bonus token comes from p_k. Each
-emitted token is then distributed exactly as p, whatever q was. For prompt lookup q is a point
+emitted token is then distributed exactly as p, whatever q was. A seeded request instead keeps
+its drafts while they equal the draws it would make without speculation (`verify_seeded`), so
+its seed gives the same reply with or without speculation and however wide the passes are. For prompt lookup q is a point
 mass on the proposal: accept with probability p(x), else draw from p without x. Greedy rows
 accept while the draft equals the argmax and emit the argmax where it first differs, which is
 token for token what decoding without speculation emits.
@@ -90,6 +92,24 @@ def verify(p: torch.Tensor, q: torch.Tensor, draft: list[int], generator: torch.
             last = p[accepted]
     # The same exponential race as a step without speculation draws with.
     return draft[:accepted] + [int(draw(last[None], [generator])[0])]
+
+
+def verify_seeded(p: torch.Tensor, draft: list[int], generator: torch.Generator) -> list[int]:
+    """The tokens a seeded sampled row emits: at each position the draw decoding without
+    speculation makes there (the exponential race on p, the next uniforms of the request's own
+    generator), the drafts kept while they equal it. Each emitted token is a draw from p, as in
+    `verify`, and the generator moves one draw a token, so the reply is the one the seed gives
+    without speculation, whatever width the passes had. The draft's proposals came from a copy
+    of the generator (`Drafter`), the same uniforms at the same positions: where its q is close
+    to p the two races mostly pick alike (with q == p always).
+
+    p: [k + 1, vocab] the target's filtered probabilities, as `sample` draws from them."""
+    out: list[int] = []
+    for i in range(len(draft) + 1):
+        out.append(int(draw(p[i : i + 1], [generator])[0]))
+        if i == len(draft) or out[-1] != draft[i]:
+            break
+    return out
 
 
 def verify_greedy(argmax: list[int], draft: list[int]) -> list[int]:

@@ -429,6 +429,24 @@ def test_a_seeded_sampled_request_speculates_the_same_way_every_time():
     assert runs[0] == runs[1] == tokens_of(run_to_completion(alone)["r2"])
 
 
+@pytest.mark.parametrize("drafting", ["ngram", "draft-is-target", "other-draft"])
+def test_a_seeded_sampled_request_gets_the_tokens_it_gets_without_speculation(drafting):
+    """A seed fixes the text whether the server speculates or not and whatever width each pass
+    has: the governor sizes passes by measured step times, so by load, and a live server's
+    seeded reply changed from one request to the next."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True, seed=11)
+    want = outputs_of(tiny_engine(), params=params)
+    make = {"ngram": ngram_engine, "draft-is-target": draft_engine,
+            "other-draft": lambda **o: draft_engine(draft_seed=1, **o)}[drafting]
+    for k in (1, 4):
+        engine = make(num_speculative_tokens=k)
+        assert outputs_of(engine, params=params) == want, k
+        stats = engine.stats()
+        assert stats.spec_draft_tokens > 0, k
+        if drafting != "other-draft":
+            assert stats.spec_accepted_tokens > 0, k
+
+
 # -- a draft model ---------------------------------------------------------------------------
 
 
