@@ -24,8 +24,8 @@ served yet.
 What it admitted alone is carried into Redis when it answers again: the slots of generations
 still running, their budget holds, and the requests/min and tokens/min charged meanwhile, so
 a false trip (a deadline missed by a busy process, not by Redis) lets no tenant spend a
-limit twice. That is what lets the deadline be short: at 0.05 s a write pause costs another
-tenant's first token 0.05 s, not the 0.1 s it cost before (bench/isolation.py).
+limit twice. That is what lets the deadline be short: at 0.02 s (one process) a write pause
+costs another tenant's first token 0.02 s, not the 0.05-0.1 s it cost before (bench/isolation.py).
 
 Imports no Django.
 """
