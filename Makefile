@@ -4,7 +4,7 @@ VENV := .venv
 REQS := requirements-torch.txt requirements.txt requirements-dev.txt requirements-model.txt
 STAMP := $(VENV)/.installed-$(shell cat $(REQS) | cksum | cut -d" " -f1)
 
-.PHONY: run cluster test test-fast venv kernels lock
+.PHONY: run cluster test test-fast test-quantized venv kernels lock
 
 run: venv kernels
 	$(VENV)/bin/python platform/run.py
@@ -23,6 +23,16 @@ test: venv kernels
 	@# Four pytest processes: the live tests in two, and beside them the in-process engine and
 	@# kernel tests in two on the CPU the live ones leave idle (tests/suite.py says how and why).
 	$(VENV)/bin/python tests/suite.py
+
+# tests/serving once per engine setting it must hold under, each against a live server started
+# with it (~1.5-2 minutes a setting on 2 cores, so not part of `make test`).
+QUANTIZED_SETTINGS := int8:off int4:draft int4:ngram
+test-quantized: venv kernels
+	@for setting in $(QUANTIZED_SETTINGS); do \
+		echo "== INFERENCE_QUANTIZATION=$${setting%%:*} INFERENCE_SPECULATIVE=$${setting##*:}"; \
+		INFERENCE_QUANTIZATION=$${setting%%:*} INFERENCE_SPECULATIVE=$${setting##*:} \
+			$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/serving || exit 1; \
+	done
 
 # The inner loop: no live daphne, Celery worker, browser or real model (tests/conftest.py marks
 # those `slow` from the fixtures they use); under 2 minutes on 2 cores.
