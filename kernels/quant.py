@@ -234,7 +234,7 @@ def interleave(qw: QuantizedWeight) -> QuantizedWeight:
     - int8 in blocks of 16 output rows, input pair by input pair: [n / 16, k / 2, 16, 2] bytes,
       d and m [n / 16, k / 32, 16] (out_features a multiple of 32): quant_gemm's panels
       (kernels.linear.pack_panels' order), so it widens 32 bytes into a panel's vector as they
-      lie, with no transpose (int8_panel_tile)."""
+      lie, with no transpose (p8_tile)."""
     n, k = qw.out_features, qw.in_features
     groups = k // GROUP
     if qw.interleaved:
@@ -304,15 +304,14 @@ def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor, dtype: torch.dtype)
         return dequantize(QuantizedWeight(8, q, scales.contiguous(), mins.contiguous(), k), dtype)
     if qw.interleaved:
         # The blocks that hold the rows, dequantized whole; then each row from its block.
-        size = block_rows(qw.bits)
-        blocks = rows // size
-        span = qw.qweight.shape[1] * size, qw.scales.shape[1] * size
+        blocks = rows // INTERLEAVE
+        span = qw.qweight.shape[1] * INTERLEAVE, qw.scales.shape[1] * INTERLEAVE
         part = QuantizedWeight(
-            qw.bits, qw.qweight.view(-1, span[0])[blocks].view(-1, qw.qweight.shape[1]),
+            4, qw.qweight.view(-1, span[0])[blocks].view(-1, qw.qweight.shape[1]),
             qw.scales.view(-1, span[1])[blocks].view(-1, qw.scales.shape[1]),
             qw.mins.view(-1, span[1])[blocks].view(-1, qw.mins.shape[1]), qw.in_features, interleaved=True)
-        whole = dequantize(part, dtype).view(len(rows), size, qw.in_features)
-        return whole[torch.arange(len(rows)), rows % size]
+        whole = dequantize(part, dtype).view(len(rows), INTERLEAVE, qw.in_features)
+        return whole[torch.arange(len(rows)), rows % INTERLEAVE]
     part = QuantizedWeight(qw.bits, qw.qweight[rows], qw.scales[rows], qw.mins[rows], qw.in_features)
     return dequantize(part, dtype)
 

@@ -240,10 +240,12 @@ class Drafter:
             seq, start, span = spans[i]
             spans[i] = (seq, start, span[: items[i].catch_up])
         drafts: dict[int, list[int]] = {i: [] for i in proposing}
-        q: dict[int, list[torch.Tensor]] = {i: [] for i in proposing if not seqs[i].params.greedy}
+        sampled = [i for i in proposing if not seqs[i].params.greedy]
         # A seeded sequence draws its proposals from a copy of its generator: the uniforms its
-        # verifying pass will draw each position's token with (speculative.verify_seeded).
-        copies = {i: _copy(seqs[i].generator) for i in q if seqs[i].generator is not None}
+        # verifying pass will draw each position's token with (speculative.verify_seeded, which
+        # needs no q). The others keep q for the rejection test.
+        copies = {i: _copy(seqs[i].generator) for i in sampled if seqs[i].generator is not None}
+        q: dict[int, list[torch.Tensor]] = {i: [] for i in sampled if i not in copies}
         live = proposing + catching_up
         while live:
             live.sort(key=lambda i: len(spans[i][2]) != 1)  # decodes first
@@ -271,7 +273,7 @@ class Drafter:
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator],
               q: dict[int, list[torch.Tensor]], order: list[int]) -> list[int]:
         """One proposal per row: the argmax for greedy sequences, else a draw from the draft's
-        filtered distribution with the row's generator (kept in `q` for the rejection test)."""
+        filtered distribution with the row's generator (kept in `q` where the rejection test needs it)."""
         tokens = self.model.ops.argmax_rows(logits).tolist()
         sampled = [j for j, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
@@ -280,7 +282,8 @@ class Drafter:
             drawn = draw(probs, [generators[j] for j in sampled]).tolist()
             for row, j in enumerate(sampled):
                 tokens[j] = drawn[row]
-                q[order[j]].append(probs[row])
+                if order[j] in q:
+                    q[order[j]].append(probs[row])
         return tokens
 
 

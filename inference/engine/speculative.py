@@ -12,8 +12,8 @@ drawn from q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)); the fi
 draws from norm(max(0, p_i - q_i)); when all k are accepted a bonus token comes from p_k. Each
 emitted token is then distributed exactly as p, whatever q was. A seeded request instead keeps
 its drafts while they equal the draws it would make without speculation (`verify_seeded`), so
-its seed gives the same reply with or without speculation and however wide the passes are. For prompt lookup q is a point
-mass on the proposal: accept with probability p(x), else draw from p without x. Greedy rows
+its seed gives the same reply with or without speculation and however wide the passes are.
+For prompt lookup q is a point mass on the proposal: accept with probability p(x), else draw from p without x. Greedy rows
 accept while the draft equals the argmax and emit the argmax where it first differs, which is
 token for token what decoding without speculation emits.
 """

@@ -2576,26 +2576,23 @@ static inline void panel_tile(const at::BFloat16* x, int64_t k, const uint32_t* 
   for (int h = 0; h < 2 && cols > h * 16; ++h) store_outputs<MR>(a, h, bias, out, n, c0 + h * 16, cols - h * 16);
 }
 
+// f(std::integral_constant<int, rows>) for rows in 1..MAX: a switch over a kernel's row counts.
+template <int MAX, typename F>
+static inline void up_to_rows(int64_t rows, F&& f) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return up_to_rows<MAX - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MAX>{});
+}
+
 // Every row of x against the panel's outputs c0..c0 + cols, TILE_ROWS rows at a time.
 static void panel_rows(const at::BFloat16* x, int64_t m, int64_t k, const uint32_t* panel, const at::BFloat16* bias,
                        at::BFloat16* out, int64_t n, int64_t c0, int64_t cols) {
   for (int64_t i = 0; i < m; i += TILE_ROWS) {
     const at::BFloat16* xi = x + i * k;
     at::BFloat16* oi = out + i * n;
-    switch (std::min<int64_t>(TILE_ROWS, m - i)) {
-      case 1: panel_tile<1>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 2: panel_tile<2>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 3: panel_tile<3>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 4: panel_tile<4>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 5: panel_tile<5>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 6: panel_tile<6>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 7: panel_tile<7>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 8: panel_tile<8>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 9: panel_tile<9>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 10: panel_tile<10>(xi, k, panel, bias, oi, n, c0, cols); break;
-      case 11: panel_tile<11>(xi, k, panel, bias, oi, n, c0, cols); break;
-      default: panel_tile<12>(xi, k, panel, bias, oi, n, c0, cols); break;
-    }
+    up_to_rows<TILE_ROWS>(std::min<int64_t>(TILE_ROWS, m - i),
+                          [&](auto rows) { panel_tile<rows()>(xi, k, panel, bias, oi, n, c0, cols); });
   }
 }
 
@@ -2622,15 +2619,15 @@ static inline void fused_block(const at::BFloat16* x, int64_t k, const uint8_t* 
   store_outputs<MR>(a, 0, bias, out, n, c0, std::min<int64_t>(cols, 16));
 }
 
-// int8 in panels (kernels.quant.interleave, P8_ROWS-row blocks): a block's input pair kp is 32
-// bytes, 16 outputs' two weights each, which widen, scale and round into the panel's vector
-// for those outputs as they lie: the bits dequantize_panel gives (dequant32's fma and one
-// rounding), without its gathers and transpose.
 // Bytes ahead in each of a panel's two blocks that int8 in panels asks for: SmolLM2's layers
 // streamed from memory at one row on a 2-core Zen 5 EPYC, 6.4 ms with none, 5.6 at 512, 5.1 at
 // 1,024, 4.75 at 2,048, 4.8 at 4,096 (bf16's panels 4.2).
 static constexpr int64_t P8_PREFETCH_BYTES = 2048;
 
+// int8 in panels (kernels.quant.interleave, P8_ROWS-row blocks): a block's input pair kp is 32
+// bytes, 16 outputs' two weights each, which widen, scale and round into the panel's vector
+// for those outputs as they lie: the bits dequantize_panel gives (dequant32's fma and one
+// rounding), without its gathers and transpose.
 struct P8Scales {
   __m512 dlo, dhi, mlo, mhi;  // lanes 2i and 2i + 1: output i's (lo) or 8 + i's (hi) d and m
 };
@@ -2685,15 +2682,6 @@ static inline void p8_tile(const at::BFloat16* x, int64_t k, const uint8_t* qw, 
     }
   }
   for (int h = 0; h < 2; ++h) store_outputs<MR>(a, h, bias, out, n, c0 + h * 16, 16);
-}
-
-// f(std::integral_constant<int, rows>) for rows in 1..MAX: a switch over a kernel's row counts.
-template <int MAX, typename F>
-static inline void up_to_rows(int64_t rows, F&& f) {
-  if constexpr (MAX > 1) {
-    if (rows < MAX) return up_to_rows<MAX - 1>(rows, f);
-  }
-  f(std::integral_constant<int, MAX>{});
 }
 
 static void quant_gemm_p8(const at::BFloat16* x, const uint8_t* qw, const float* scales, const float* mins,
