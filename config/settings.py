@@ -259,7 +259,8 @@ INFERENCE = {
     # so a burst from one tenant still queues deep while any other tenant finds room.
     "TENANT_QUEUE_SHARE": env.float("INFERENCE_TENANT_QUEUE_SHARE", default=0.5),
     # A tenant running this many sequences sits out the step that admits another tenant's new
-    # request (0: never), at most one step in CROWD_SIT_OUT_EVERY: see EngineConfig.
+    # request (0: never), for at most one part in CROWD_SIT_OUT_EVERY of the engine's time and
+    # never two steps in a row: see EngineConfig.
     "CROWD_SIT_OUT_SEQS": env.int("INFERENCE_CROWD_SIT_OUT_SEQS", default=4),
     "CROWD_SIT_OUT_EVERY": env.int("INFERENCE_CROWD_SIT_OUT_EVERY", default=4),
     # Prompt tokens a tenant with CROWD_SIT_OUT_SEQS sequences in a step computes in it (0: no cap).

@@ -117,7 +117,8 @@ class EngineConfig:
     tenant_queue_share: float = 0.5
     # A tenant running at least crowd_sit_out_seqs sequences (and more than the newcomer's
     # tenant) sits out the step that admits another tenant's new request of its lane or a
-    # better one, at most one step in crowd_sit_out_every (0: never). The newcomer's first
+    # better one (crowd_sit_out_seqs 0: never), for at most one part in crowd_sit_out_every of
+    # the engine's time and never two steps in a row (Scheduler._credit). The newcomer's first
     # token comes from that step, and 16 decodes beside it make it longer (2-core CPU, the
     # packaged model: a 40-token prefill alone 72 ms, beside 16 decodes 98 ms).
     crowd_sit_out_seqs: int = 4

@@ -309,6 +309,8 @@ class LLMEngine(RequestChecks):
             # Blocks keyed ahead of a compute that never happened hold garbage: unkey them.
             self.block_manager.forget(schedule.cache_entered)
             raise
+        now = self.clock()
+        self.scheduler.sitting_out_took(now - began, now)
         if schedule.num_batched_tokens:
             # A slowly decaying peak, not an average: light load runs small batches, and their
             # rate says nothing of what the engine can do once a queue builds (an average

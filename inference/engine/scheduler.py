@@ -11,9 +11,10 @@ first, who is the victim) is a `Policy` that only orders sequences. A step:
    arrived and can be admitted now (priority policy only): the step that prefills it
    carries no batch decodes, so batch traffic barely delays interactive first tokens.
    So do a crowd's: the running sequences of a tenant that runs many (crowd_sit_out_seqs)
-   when another tenant's request of that lane or a better one has just arrived, at most one
-   step in crowd_sit_out_every, so a tenant's many streams within its tier neither slow
-   other tenants' first tokens nor lose more than a share of their own steps.
+   when another tenant's request of that lane or a better one has just arrived, for at most
+   one part in crowd_sit_out_every of the engine's time and never two steps in a row, so a
+   tenant's many streams within its tier neither slow other tenants' first tokens nor lose
+   more than a share of their own time.
    Sitting out keeps every block; the work runs again the next step.
 3. Swapped and waiting sequences, in policy order, are swapped back in or admitted
    while the budgets and the pool allow; the first that does not fit stops the rest,
@@ -217,6 +218,9 @@ class _Step:
 
 
 _seq_counter = itertools.count()
+# The most a crowd may sit out at once after a quiet while (see Scheduler._credit): a few
+# newcomers' steps, never two in a row.
+CROWD_SIT_OUT_CREDIT_S = 0.1
 
 
 class Scheduler:
@@ -241,6 +245,9 @@ class Scheduler:
         self._sat_out_in_vain: Sequence | None = None
         self._step_no = 0
         self._crowd_sat_out: dict[str | None, int] = {}  # tenant -> the step it last sat out as a crowd
+        # tenant -> (seconds of steps it may still sit out as a crowd, as of when): see _credit.
+        self._sit_out_credit: dict[str | None, tuple[float, float]] = {}
+        self._sitting_crowds: frozenset = frozenset()  # the crowds sitting out the step last scheduled
 
     @property
     def num_preemptions(self) -> int:
@@ -279,6 +286,7 @@ class Scheduler:
         if policy.preempts_for_admission():
             self._preempt_for_better_lanes(now, step)
         head, sitting_out, crowds = self._sitting_out(now, step)
+        self._sitting_crowds = crowds
         self._schedule_running(now, step, sitting_out, self._speculation_width())
 
         bm = self.block_manager
@@ -345,7 +353,7 @@ class Scheduler:
         if (head.status is not SequenceStatus.WAITING or head.num_preemptions or head is self._sat_out_in_vain
                 or len(self.running) >= self.config.max_num_seqs):
             return nobody
-        crowds = self._crowds(head)
+        crowds = self._crowds(head, now)
         yielding = frozenset(s for s in self.running if self.policy.yields_to(s, head)
                              or (s.tenant_id in crowds and s.lane >= head.lane))
         if not yielding:
@@ -357,21 +365,39 @@ class Scheduler:
             return nobody
         for tenant in crowds:
             self._crowd_sat_out[tenant] = self._step_no
-        if len(self._crowd_sat_out) > 1024:  # only the last crowd_sit_out_every steps matter
-            every = self.config.crowd_sit_out_every
-            self._crowd_sat_out = {t: n for t, n in self._crowd_sat_out.items() if self._step_no - n < every}
+        if len(self._crowd_sat_out) > 1024:  # only the last step matters, and a credit short of full
+            self._crowd_sat_out = {t: n for t, n in self._crowd_sat_out.items() if self._step_no - n < 2}
+            self._sit_out_credit = {t: c for t, c in self._sit_out_credit.items()
+                                    if self._credit(t, now) < CROWD_SIT_OUT_CREDIT_S}
         return head, yielding, crowds
 
-    def _crowds(self, head: Sequence) -> frozenset:
+    def _crowds(self, head: Sequence, now: float) -> frozenset:
         """Tenants other than `head`'s running at least crowd_sit_out_seqs sequences, more than
-        `head`'s tenant runs, that have not sat out in the last crowd_sit_out_every steps."""
-        least, every = self.config.crowd_sit_out_seqs, self.config.crowd_sit_out_every
+        `head`'s tenant runs, that did not sit out the last step and have time left to give."""
+        least = self.config.crowd_sit_out_seqs
         if not least or not isinstance(self.policy, PriorityPolicy):
             return frozenset()
         counts = Counter(s.tenant_id for s in self.running if s.lane >= head.lane)
         theirs = sum(1 for s in self.running if s.tenant_id == head.tenant_id)
         return frozenset(t for t, n in counts.items() if t != head.tenant_id and n >= least and n > theirs
-                         and self._step_no - self._crowd_sat_out.get(t, -every) >= every)
+                         and self._step_no - self._crowd_sat_out.get(t, -2) >= 2 and self._credit(t, now) > 0)
+
+    def _credit(self, tenant, now: float) -> float:
+        """Seconds of steps `tenant`'s crowd may still sit out: a bucket that fills at one second
+        in crowd_sit_out_every of the engine's clock, up to CROWD_SIT_OUT_CREDIT_S, and that each
+        step it sits out empties by the step's length (sitting_out_took). Counted in time, not
+        steps: the newcomer's step is short (one prompt) and the crowd's long (16 decodes: 40 ms
+        against 15 on a 2-core Zen 4), and one step in four let a tenant's short chats arriving
+        every ~2.5 crowd steps sit out every other one, the rest waiting for a crowd's step
+        and then sharing one (issue 24's n fan-out, stalled readers)."""
+        credit, at = self._sit_out_credit.get(tenant, (CROWD_SIT_OUT_CREDIT_S, now))
+        return min(CROWD_SIT_OUT_CREDIT_S, credit + max(0.0, now - at) / self.config.crowd_sit_out_every)
+
+    def sitting_out_took(self, seconds: float, now: float) -> None:
+        """The step last scheduled took `seconds`: the crowds that sat it out gave that up."""
+        for tenant in self._sitting_crowds:
+            self._sit_out_credit[tenant] = (self._credit(tenant, now) - seconds, now)
+        self._sitting_crowds = frozenset()
 
     def _speculation_width(self) -> int:
         """Draft tokens a decoding sequence may propose this step: 0 when speculation is off, or
