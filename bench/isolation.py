@@ -26,6 +26,7 @@ decides alone until a write lands (tenants.fallback).
     .venv/bin/python bench/isolation.py             # ~3-4 minutes on 2 cores
     .venv/bin/python bench/isolation.py --samples 40
     .venv/bin/python bench/isolation.py --front nginx   # through deploy/nginx.conf, as production runs
+    .venv/bin/python bench/isolation.py --front nginx --replicas 2   # make cluster's shape
     .venv/bin/python bench/isolation.py --only "400 burst" --attacker-nice 19
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import selectors
 import socket
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,12 +47,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
-from tests.live import LiveServer, start_live_server  # noqa: E402
+from tests.live import (  # noqa: E402
+    READY_TIMEOUT_S,
+    WEB_BACKLOG,
+    LiveServer,
+    http_status,
+    start_live_server,
+)
 from tests.nginx_front import start_nginx  # noqa: E402
 from tests.serving.rawsse import SocketStream, request_bytes  # noqa: E402
 
@@ -378,6 +387,55 @@ def summary(outcome: dict) -> str:
     return "; ".join(parts)
 
 
+def start_replicas(server: LiveServer, tmp: Path, count: int) -> tuple[list[str], Callable[[], None]]:
+    """`count` more daphne replicas of `server` (its database, Redis and settings, a usage journal
+    each), as `make cluster` runs them; returns their addresses and how to stop them."""
+    procs: list[subprocess.Popen] = []
+
+    def stop() -> None:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+    addresses = []
+    try:
+        for i in range(count):
+            port = free_port()
+            env = dict(server.env, REPLICA_URL=f"http://127.0.0.1:{port}",
+                       USAGE_OUTBOX_DIR=str(tmp / f"usage-outbox-{i + 2}"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "daphne", "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={WEB_BACKLOG}",
+                 "config.asgi:application"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                stdout=(tmp / f"replica-{i + 2}.log").open("w"), stderr=subprocess.STDOUT))
+            addresses.append(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for address, proc in zip(addresses, procs):
+            while http_status(f"http://{address}/readyz") != 200:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"replica {address} never became ready")
+                time.sleep(0.25)
+    except BaseException:
+        stop()
+        raise
+    return addresses, stop
+
+
+def replica_of(server: LiveServer, logs: list[Path], tenant: str) -> int:
+    """Which replica (1-based, in `logs`' order) serves `tenant`'s key: the one whose access
+    log gains a chat line for one of its requests."""
+    def counts() -> list[int]:
+        return [log.read_text(errors="replace").count('"POST /v1/chat/completions"') for log in logs]
+    before = counts()
+    server.post_json("/v1/chat/completions", {**chat("Hi.", 1), "stream": False}, server.keys[tenant])
+    for _ in range(50):
+        grown = [i for i, (a, b) in enumerate(zip(before, counts())) if b > a]
+        if grown:
+            return grown[0] + 1
+        time.sleep(0.1)
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=25, help="bystander requests per row")
@@ -387,17 +445,41 @@ def main() -> None:
     parser.add_argument("--front", choices=["none", "nginx"], default="none",
                         help="nginx: every request (bystander's and attacker's) through deploy/nginx.conf in "
                              "front of the server, as production runs it (Debian's nginx)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="with --front nginx: this many daphne replicas (each with its engine) behind it, sharing "
+                             "the database and Redis, routed by key as deploy/nginx.conf does; the table says which "
+                             "replica each tenant's key lands on")
+    parser.add_argument("--bystander-on", choices=["any", "other", "same"], default="any",
+                        help="with --replicas: give the bystander new keys until its key lands on another replica "
+                             "than the attacker's, or on the same one (default: wherever its first key lands)")
     args = parser.parse_args()
+    if args.replicas > 1 and args.front != "nginx":
+        parser.error("--replicas needs --front nginx")
     ATTACKER_NICE[0] = args.attacker_nice
     attacks = [(name, attack) for name, attack in ATTACKS if not args.only or name in args.only]
     with tempfile.TemporaryDirectory() as tmp:
         server, stop_server = start_live_server(Path(tmp), TIERS, TENANTS, ENV)
-        stop_front = None
+        stop_front = stop_replicas = None
+        placed = ""
         try:
             if args.front == "nginx":
+                extra, stop_replicas = start_replicas(server, Path(tmp), args.replicas - 1)
                 port = free_port()
-                stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://")])
+                stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://"), *extra])
                 server = dataclasses.replace(server, url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}")
+                if extra:
+                    logs = [server.log_path] + [Path(tmp) / f"replica-{i + 2}.log" for i in range(len(extra))]
+                    attacker_on = replica_of(server, logs, "attacker")
+                    for attempt in range(40):
+                        bystander_on = replica_of(server, logs, "bystander")
+                        if args.bystander_on == "any" or (bystander_on == attacker_on) == (args.bystander_on == "same"):
+                            break
+                        server.keys["bystander"] = server.django(
+                            "from tenants import actions\nfrom tenants.models import Tenant\n"
+                            f"result = actions.issue_key(Tenant.objects.get(pk={server.tenant_ids['bystander']!r}), "
+                            f"name='live-{attempt}').plaintext")
+                    placed = (f"; {args.replicas} replicas: the bystander's key on replica {bystander_on}, "
+                              f"the attacker's on {attacker_on}")
             stop_chars = server.django("from django.conf import settings\n"
                                        "result = getattr(settings, 'MAX_STOP_CHARS', 0)")
             for _ in range(20):  # warm: the first requests after start ran up to 0.11 s (idle p99 0.05)
@@ -424,12 +506,14 @@ def main() -> None:
         finally:
             if stop_front is not None:
                 stop_front()
+            if stop_replicas is not None:
+                stop_replicas()
             stop_server()
     base = pct(idle, 99)
     print(f"\nbystander: streamed chat, max_tokens 8, {args.samples} sequential requests per row; "
           f"attacker on a tier of {ORDINARY['concurrent_streams']} concurrent generations; "
           f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}"
-          + ("; through nginx (deploy/nginx.conf)" if args.front == "nginx" else "")
+          + ("; through nginx (deploy/nginx.conf)" if args.front == "nginx" else "") + placed
           + ("; the engine in a thread of the web process"
              if os.environ.get("INFERENCE_ENGINE_PROCESS", "").lower() in ("0", "false", "off", "no")
              else "; the engine in a process of its own")
