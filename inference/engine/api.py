@@ -249,6 +249,7 @@ class EngineStats:
     preemptions: int = 0
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
+    steps_interrupted: int = 0  # abandoned between layers for a newly arrived request (LLMEngine._watch)
     tokens_per_s: float = 0.0  # recent throughput (decaying peak)
     steps: int = 0
     prompt_tokens: int = 0  # of admitted requests

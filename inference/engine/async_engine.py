@@ -358,6 +358,8 @@ class AsyncEngine:
                     self._settle(command.future, EngineNotRunningError("the engine is shutting down"))
                 return
             self._commands.append(command)
+            if isinstance(command, _Add):  # a step in flight that would make way for it ends early
+                self.engine.note_arrival(command.state.tenant_id, command.state.lane)
             self._cond.notify()
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -404,6 +406,7 @@ class AsyncEngine:
                 self._busy_since = self._clock()
                 commands = list(self._commands)
                 self._commands.clear()
+                self.engine.arrivals.clear()  # added below, before the next step
             for command in commands:
                 self._apply(command)
             self._sweep()

@@ -17,6 +17,7 @@ endpoint serves.
 | `llm_engine_kv_usage_ratio` | gauge | | used / total KV blocks: blocks live sequences hold (cached prefixes nobody holds count as free) |
 | `llm_engine_swap_blocks_used` | gauge | | host swap blocks in use |
 | `llm_engine_preemptions_total` | counter | mode | preemptions, by `recompute` or `swap` |
+| `llm_engine_steps_interrupted_total` | counter | | steps abandoned between layers for another tenant's new request |
 | `llm_engine_prefix_cache_hit_tokens_total` | counter | | prompt tokens served from the prefix cache |
 | `llm_engine_spec_passes_total` | counter | lane | sequence steps that verified a speculative draft |
 | `llm_engine_spec_draft_tokens_total` | counter | lane | speculative draft tokens proposed |
@@ -72,6 +73,8 @@ class EngineMetrics:
         self.kv_usage = Gauge("llm_engine_kv_usage_ratio", "Used / total KV-cache blocks", registry=r)
         self.swap_blocks_used = Gauge("llm_engine_swap_blocks_used", "Host swap blocks in use", registry=r)
         self.preemptions = Counter("llm_engine_preemptions", "Preemptions by mode", ["mode"], registry=r)
+        self.steps_interrupted = Counter("llm_engine_steps_interrupted",
+                                         "Steps abandoned between layers for another tenant's new request", registry=r)
         self.prefix_hit_tokens = Counter("llm_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
         self.spec_passes = Counter("llm_engine_spec_passes", "Sequence steps that verified a speculative draft", ["lane"],
                                    registry=r)
@@ -123,6 +126,7 @@ class EngineMetrics:
         self._add_delta("preemptions_swap", stats.preemptions_swap, self.preemptions.labels(mode="swap"))
         self._add_delta("preemptions_recompute", stats.preemptions_recompute, self.preemptions.labels(mode="recompute"))
         self._add_delta("prefix_hit_tokens", stats.prefix_hit_tokens, self.prefix_hit_tokens)
+        self._add_delta("steps_interrupted", stats.steps_interrupted, self.steps_interrupted)
         for lane, counts in stats.lanes.items():
             self._add_delta(f"spec_passes_{lane.label}", counts.spec_passes, self.spec_passes.labels(lane=lane.label))
             self._add_delta(f"spec_draft_{lane.label}", counts.spec_draft_tokens, self.spec_draft_tokens.labels(lane=lane.label))

@@ -14,7 +14,8 @@ first, who is the victim) is a `Policy` that only orders sequences. A step:
    when another tenant's request of that lane or a better one has just arrived, for at most
    one part in crowd_sit_out_every of the engine's time and never two steps in a row, so a
    tenant's many streams within its tier neither slow other tenants' first tokens nor lose
-   more than a share of their own time.
+   more than a share of their own time. A step of such rows alone in flight when the
+   request arrives is abandoned between layers (LLMEngine._watch, makes_way).
    Sitting out keeps every block; the work runs again the next step.
 3. Swapped and waiting sequences, in policy order, are swapped back in or admitted
    while the budgets and the pool allow; the first that does not fit stops the rest,
@@ -218,6 +219,15 @@ class _Step:
 
 
 _seq_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class _Newcomer:
+    """What Scheduler._crowds reads of a request not yet added (LLMEngine's step watch)."""
+
+    tenant_id: str | None
+    lane: int
+
 # The most a crowd may sit out at once after a quiet while (see Scheduler._credit): a few
 # newcomers' steps, never two in a row.
 CROWD_SIT_OUT_CREDIT_S = 0.1
@@ -393,11 +403,29 @@ class Scheduler:
         credit, at = self._sit_out_credit.get(tenant, (CROWD_SIT_OUT_CREDIT_S, now))
         return min(CROWD_SIT_OUT_CREDIT_S, credit + max(0.0, now - at) / self.config.crowd_sit_out_every)
 
-    def sitting_out_took(self, seconds: float, now: float) -> None:
-        """The step last scheduled took `seconds`: the crowds that sat it out gave that up."""
-        for tenant in self._sitting_crowds:
+    def sitting_out_took(self, seconds: float, now: float, crowds: frozenset | None = None) -> None:
+        """The step last scheduled took `seconds`: the crowds that sat it out (or `crowds`, whose
+        step was abandoned for a newcomer) gave that up."""
+        for tenant in self._sitting_crowds if crowds is None else crowds:
             self._sit_out_credit[tenant] = (self._credit(tenant, now) - seconds, now)
         self._sitting_crowds = frozenset()
+
+    def makes_way(self, schedule: SchedulerOutput, tenant, lane: int, now: float, spent: float = 0.0) -> frozenset | None:
+        """The crowds among `schedule`'s rows if every row would sit out the step that admits a
+        request of `tenant` in `lane` arriving now (a crowd of another tenant with more time left
+        to give than the `spent` seconds of the step abandoned for it, so that it can still sit
+        out the newcomer's step; or batch work before an interactive request), else None."""
+        if not isinstance(self.policy, PriorityPolicy) or len(self.running) >= self.config.max_num_seqs:
+            return None
+        crowds = self._crowds(_Newcomer(tenant, lane), now)
+        for item in schedule.scheduled:
+            seq = item.seq
+            if not ((seq.tenant_id in crowds and seq.lane >= lane) or (seq.lane == Lane.BATCH and lane < Lane.BATCH)):
+                return None
+        making_way = frozenset(item.seq.tenant_id for item in schedule.scheduled) & crowds
+        if any(self._credit(t, now) <= spent for t in making_way):
+            return None
+        return making_way
 
     def _speculation_width(self) -> int:
         """Draft tokens a decoding sequence may propose this step: 0 when speculation is off, or

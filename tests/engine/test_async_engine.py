@@ -568,3 +568,46 @@ def test_stats_count_sequences_per_lane(serve):
 def test_the_async_engine_imports_nothing_from_django():
     code = "import sys, inference.engine.async_engine, inference.engine.metrics; sys.exit('django' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_a_submit_ends_the_crowds_step_in_flight_and_its_token_comes_from_the_next(serve):
+    """Issue 24: another tenant's request waited for the crowd's step in flight before its own.
+    The submit notes its arrival as it posts it, so a crowd step held in its first layer is
+    abandoned at the next one, and the newcomer's step follows; the crowd's tokens are as if
+    nothing happened."""
+    model = tiny.tiny_model(seed=11)
+    prompts = [[i + 1, 2, 3, 4, 5] for i in range(6)]
+    expected = [list(c.token_ids) for c in tiny_engine(model=model, num_blocks=256).generate(prompts, greedy(24))]
+    engine = tiny_engine(model=model, num_blocks=256, max_num_seqs=16)
+    ae = serve(engine)
+    layer, in_layer, release, hold = model.layers[0], threading.Event(), threading.Event(), [False]
+    real_o = layer["o"]
+
+    def held_o(x):
+        if hold[0]:
+            hold[0] = False
+            in_layer.set()
+            release.wait(10)
+        return real_o(x)
+
+    layer["o"] = held_o
+    try:
+        async def main():
+            crowd = [await ae.submit(f"crowd-{i}", p, greedy(24), lane=1, tenant_id="crowd") for i, p in enumerate(prompts)]
+            reading = [asyncio.create_task(collect(stream)) for stream in crowd]
+            await until(lambda: ae.stats().generated_tokens >= 12, what="the crowd decoding")
+            hold[0] = True
+            await until(in_layer.is_set, what="a crowd step in its first layer")
+            chat = asyncio.create_task(ae.submit("chat", [9, 8, 7, 6], greedy(2), lane=1, tenant_id="bystander"))
+            await until(lambda: bool(engine.arrivals), what="the chat's arrival noted")
+            release.set()
+            chat_tokens, _ = await collect(await chat)
+            return [tokens for tokens, _ in await asyncio.gather(*reading)], chat_tokens
+
+        crowd_tokens, chat_tokens = run(main())
+    finally:
+        layer["o"] = real_o
+        release.set()
+    assert ae.stats().steps_interrupted == 1
+    assert crowd_tokens == expected
+    assert len(chat_tokens) == 2

@@ -95,6 +95,13 @@ def test_preemptions_are_counted_by_mode():
     assert value(m, "llm_engine_preemptions_total", mode="recompute") == 5
 
 
+def test_steps_abandoned_for_a_newcomer_are_counted():
+    m = EngineMetrics()
+    m.observe_stats(EngineStats(steps_interrupted=2))
+    m.observe_stats(EngineStats(steps_interrupted=7))
+    assert value(m, "llm_engine_steps_interrupted_total") == 7
+
+
 def test_gauges_follow_the_last_snapshot():
     m = EngineMetrics()
     lanes = {Lane.REALTIME: LaneStats(waiting=3, running=1), Lane.NEAR_REALTIME: LaneStats(),

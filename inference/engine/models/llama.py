@@ -9,6 +9,7 @@ every hot operation goes through `kernels`' dispatcher.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -219,6 +220,10 @@ class LlamaModel(torch.nn.Module):
 
         self.ops = kernels.ops_for(device, dtype, kernels_choice)
         self.quant_rows = quant.QuantRows()
+        # Called between layers while set (LLMEngine's step watch): it raises to abandon the
+        # step, e.g. StepInterrupted when another tenant's request arrives that the step's rows
+        # would make way for.
+        self.interrupt: Callable[[], None] | None = None
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, **options) -> Linear | QuantLinear:
             if bits is None:
@@ -347,11 +352,14 @@ class LlamaModel(torch.nn.Module):
         eps = cfg.rms_norm_eps
         ops = self.ops
         residual = None
+        interrupt = self.interrupt
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer["input_norm"], eps)
             else:
+                if interrupt is not None:
+                    interrupt()
                 x, residual = ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
             q = ops.rotary_write_kv(layer["qkv"](x), cos, sin, k_cache, v_cache, slot_mapping, cfg.num_heads)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
