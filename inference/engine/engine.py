@@ -7,10 +7,9 @@ and frees what finished.
 
 from __future__ import annotations
 
-import collections
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Protocol
@@ -142,7 +141,7 @@ class LLMEngine(RequestChecks):
         self.step_s = 0.0  # recent duration of a step that computed tokens (EWMA), for queue-wait estimates
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
-        self.arrivals: collections.deque = collections.deque()  # note_arrival's (tenant, lane) not yet added
+        self.arrivals: deque = deque()  # note_arrival's (tenant, lane) not yet added
         # Structured output needs text: an engine without a tokenizer takes no grammar.
         self.grammars = Grammars(tokenizer.hf, mc.vocab_size, self.eos_token_ids) if tokenizer else None
 
@@ -336,7 +335,8 @@ class LLMEngine(RequestChecks):
             self.block_manager.forget(schedule.cache_entered)
             raise
         finally:
-            self.model.interrupt = None
+            if watch is not None:
+                self.model.interrupt = None
         now = self.clock()
         self.scheduler.sitting_out_took(now - began, now)
         if schedule.num_batched_tokens:
@@ -366,14 +366,17 @@ class LLMEngine(RequestChecks):
         if (self.config.speculative != "off" or self.model.device.type != "cpu" or not schedule.scheduled
                 or schedule.swap_out or schedule.swap_in or schedule.preempted or schedule.timed_out):
             return None
-        if not all(item.num_new_tokens == 1 and not item.draft and not item.num_draft and not item.catch_up
-                   and item.seq.matcher is None and item.seq.num_computed_tokens == item.seq.num_tokens - 1
-                   for item in schedule.scheduled):
-            return None
-        arrivals, scheduler, seen = self.arrivals, self.scheduler, set()
+        arrivals, scheduler, seen, decodes = self.arrivals, self.scheduler, set(), []
 
         def watch() -> None:
             if not arrivals:
+                return
+            if not decodes:  # looked at once, and only in a step something arrived during
+                decodes.append(all(
+                    item.num_new_tokens == 1 and not item.draft and not item.num_draft and not item.catch_up
+                    and item.seq.matcher is None and item.seq.num_computed_tokens == item.seq.num_tokens - 1
+                    for item in schedule.scheduled))
+            if not decodes[0]:
                 return
             for tenant, lane in list(arrivals):
                 if (tenant, lane) in seen:

@@ -228,6 +228,7 @@ class _Newcomer:
     tenant_id: str | None
     lane: int
 
+
 # The most a crowd may sit out at once after a quiet while (see Scheduler._credit): a few
 # newcomers' steps, never two in a row.
 CROWD_SIT_OUT_CREDIT_S = 0.1
@@ -417,10 +418,11 @@ class Scheduler:
         out the newcomer's step; or batch work before an interactive request), else None."""
         if not isinstance(self.policy, PriorityPolicy) or len(self.running) >= self.config.max_num_seqs:
             return None
-        crowds = self._crowds(_Newcomer(tenant, lane), now)
+        newcomer = _Newcomer(tenant, lane)
+        crowds = self._crowds(newcomer, now)
         for item in schedule.scheduled:
             seq = item.seq
-            if not ((seq.tenant_id in crowds and seq.lane >= lane) or (seq.lane == Lane.BATCH and lane < Lane.BATCH)):
+            if not ((seq.tenant_id in crowds and seq.lane >= lane) or self.policy.yields_to(seq, newcomer)):
                 return None
         making_way = frozenset(item.seq.tenant_id for item in schedule.scheduled) & crowds
         if any(self._credit(t, now) <= spent for t in making_way):
