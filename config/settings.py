@@ -290,6 +290,9 @@ INFERENCE = {
     # The engine steps in a process of its own (inference.engine.process), so the web tier's
     # Python never holds the GIL its steps need; off: a thread of the web process.
     "PROCESS": env.bool("INFERENCE_ENGINE_PROCESS", default=True),
+    # A Unix socket where one engine serves several web processes (`manage.py engine_server`):
+    # one model in memory and one batch for all of them. "": each web process has its own.
+    "ENGINE_SOCKET": env.str("INFERENCE_ENGINE_SOCKET", default=""),
 }
 
 # --- serving ------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ def local_stats() -> dict:
     return {
         "state": state,
         "ready": stats.ready,
+        # An engine several web processes share (INFERENCE_ENGINE_SOCKET) has one id in each
+        # one's report; null: this process's own.
+        "engine": getattr(host.engine(), "engine_id", None),
         "kv_blocks_total": stats.blocks_total,
         "kv_blocks_free": stats.blocks_free,
         "kv_blocks_cached": stats.blocks_cached,
@@ -213,12 +216,27 @@ def _add(total: dict, stats: dict) -> None:
             _add(total.setdefault(name, {}), value)
 
 
+# What each web process reports of its own even where it shares its engine with others.
+OWN_NUMBERS = ("requests_in_flight", "streams")
+
+
 def totals(reports: list[dict]) -> dict:
     """The numbers of every replica's stats summed (lanes and the like key by key), with how
-    many replicas there are and how many are ready."""
+    many replicas there are, how many are ready, and how many engines serve them: an engine
+    that several replicas share is counted once."""
     total: dict = {"replicas": len(reports), "replicas_ready": sum(1 for r in reports if r["stats"].get("ready"))}
+    shared: set[str] = set()
+    engines = 0
     for report in reports:
-        _add(total, report["stats"])
+        stats, engine = report["stats"], report["stats"].get("engine")
+        if engine in shared:
+            stats = {name: value for name, value in stats.items() if name in OWN_NUMBERS}
+        else:
+            engines += 1
+            if engine is not None:
+                shared.add(engine)
+        _add(total, stats)
+    total["engines"] = engines
     return total
 
 

@@ -123,15 +123,25 @@ class EngineHost:
     def _load(self) -> None:
         try:
             config = engine_config()
-            log.info("loading model %s (device %s, dtype %s, kernels %s)%s", config.model, config.device, config.dtype,
-                     config.kernels, " in a process of its own" if settings.INFERENCE["PROCESS"] else "")
-            if settings.INFERENCE["PROCESS"]:
+            shared = settings.INFERENCE["ENGINE_SOCKET"]
+            if shared:
+                from inference.engine.process import EngineProcess
+
+                log.info("connecting to the engine server on %s", shared)
+                async_engine = EngineProcess(config, shared=shared, name=settings.REPLICA_ID)
+                async_engine.start()
+                engine = async_engine.engine
+            elif settings.INFERENCE["PROCESS"]:
+                log.info("loading model %s (device %s, dtype %s, kernels %s) in a process of its own", config.model,
+                         config.device, config.dtype, config.kernels)
                 from inference.engine.process import EngineProcess
 
                 async_engine = EngineProcess(config)
                 async_engine.start()
                 engine = async_engine.engine
             else:  # the engine on a thread of this process, and torch with it
+                log.info("loading model %s (device %s, dtype %s, kernels %s)", config.model, config.device,
+                         config.dtype, config.kernels)
                 from inference.engine.async_engine import AsyncEngine
                 from inference.engine.engine import LLMEngine
                 from inference.engine.metrics import EngineMetrics

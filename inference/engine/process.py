@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -87,18 +88,38 @@ def _decode_error(payload: tuple) -> BaseException:
 
 # -- the engine process ------------------------------------------------------------------------
 
-class _CoreEngine(AsyncEngine):
-    """An AsyncEngine whose submitters and readers are in the web process: each iteration's
-    answers go down the socket as one message. Submit futures are request ids here."""
+class _Client:
+    """A web process the engine serves: what it is told goes through a writer of its own, so a
+    web process that stops reading never holds up the engine thread or the other web processes."""
 
-    def __init__(self, engine, conn: Connection, send_lock: threading.Lock, busy: mmap.mmap, **kw):
+    def __init__(self, conn: Connection, name: str, limit: int | None = None) -> None:
+        self.conn, self.name = conn, name
+        self.writer = _Writer(conn.fileno(), limit=limit)
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.writer.send(message)
+        except OSError:  # gone, or past its buffer's bound: its command thread sees the end and cleans up
+            pass
+
+    def close(self) -> None:
+        self.writer.close()
+        self.conn.close()
+
+
+class _CoreEngine(AsyncEngine):
+    """An AsyncEngine whose submitters and readers are in web processes (one, or several sharing
+    this engine): each iteration's answers go down each one's socket as one message, outputs to
+    the process that submitted the request, stats to all. Submit futures are request ids here."""
+
+    def __init__(self, engine, busy: mmap.mmap, **kw):
         self._busy_map = busy
         super().__init__(engine, lease_s=math.inf, **kw)  # the web side holds the leases
-        self._conn = conn
-        self._send_lock = send_lock
         self._added: list[str] = []
         self._sent_stats: EngineStats | None = None
         self.by_id: dict[str, _RequestState] = {}  # for pauses; pruned as requests finish
+        self.owners: dict[str, _Client] = {}  # each request's web process, until it finishes
+        self.clients: list[_Client] = []  # replaced, never changed in place: the engine thread iterates it
 
     @property
     def _busy_since(self) -> float | None:
@@ -109,38 +130,55 @@ class _CoreEngine(AsyncEngine):
     def _busy_since(self, value: float | None) -> None:
         _BUSY.pack_into(self._busy_map, 0, math.nan if value is None else value)
 
-    def send(self, message: tuple) -> None:
-        with self._send_lock:
-            try:
-                self._conn.send(message)
-            except OSError:  # the web process is gone: the command thread sees it and exits
-                pass
+    def join(self, client: _Client) -> None:
+        self.clients = [*self.clients, client]
+
+    def leave(self, client: _Client) -> list[str]:
+        """Forget `client`; the ids of its requests still here, for the caller to abort."""
+        self.clients = [c for c in self.clients if c is not client]
+        return [rid for rid, owner in list(self.owners.items()) if owner is client]
 
     def _settle(self, request_id, exc: BaseException | None) -> None:
         if exc is None:
             self._added.append(request_id)
             return
         self.by_id.pop(request_id, None)
-        self.send(("iter", [(request_id, _encode_error(exc))], [], None))
+        owner = self.owners.pop(request_id, None)
+        if owner is not None:
+            owner.send(("iter", [(request_id, _encode_error(exc))], [], None))
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        self._added = []
-        outputs = []
+        added, self._added = self._added, []
+        messages: dict[_Client, tuple[list, list]] = {}
+        for rid in added:
+            owner = self.owners.get(rid)
+            if owner is not None:
+                messages.setdefault(owner, ([], []))[0].append((rid, None))
         for item in outbox:
             if not isinstance(item, tuple):
-                self._settle(item, None)
+                owner = self.owners.get(item)
+                if owner is not None:
+                    messages.setdefault(owner, ([], []))[0].append((item, None))
                 continue
             out = item[1]
             if out.finished:
                 self.by_id.pop(out.request_id, None)
-            outputs.append(out)
+                owner = self.owners.pop(out.request_id, None)
+            else:
+                owner = self.owners.get(out.request_id)
+            if owner is not None:
+                messages.setdefault(owner, ([], []))[1].append(out)
         stats = self._snapshot
-        if not (outputs or self._added) and stats == self._sent_stats:
+        if stats != self._sent_stats:
+            self._sent_stats = stats
+            shared = dataclasses.replace(stats, lanes=dict(stats.lanes))
+            for client in self.clients:
+                settled, outputs = messages.get(client, ((), ()))
+                client.send(("iter", list(settled), list(outputs), shared))
             return
-        self._sent_stats = stats
-        self.send(("iter", [(rid, None) for rid in self._added], outputs,
-                   dataclasses.replace(stats, lanes=dict(stats.lanes))))
+        for client, (settled, outputs) in messages.items():
+            client.send(("iter", settled, outputs, None))
 
 
 class _Compiles:
@@ -188,25 +226,36 @@ class _Compiles:
                 core._post(command)
 
 
-def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
-    """The child's main thread: commands from the web process until it says stop or is gone,
-    or the engine thread stops serving (its rebuild failed): then the process exits, and the
-    web process starts another."""
-    compiles = _Compiles(core)
+GONE = "the web process that submitted this request is gone"
+
+
+def _serve_commands(core: _CoreEngine, client: _Client, compiles: _Compiles, *, shared: bool) -> int:
+    """A web process's commands, until it says stop or is gone. Serving it alone (`shared`
+    False), the process then exits, as it does when the engine thread stops serving (its rebuild
+    failed), for the web process to start another; shared, its requests are aborted and the
+    engine serves the others on."""
+    conn = client.conn
     while True:
         try:
             if not conn.poll(1.0):
                 if not core.is_ready():
-                    log.error("the engine stopped serving; its process exits for the web process to start another")
+                    log.error("the engine stopped serving; its process exits to be started again")
                     return 3
                 continue
             command = conn.recv()
         except (EOFError, OSError):
-            log.warning("the web process is gone; the engine process exits")
+            if not shared:
+                log.warning("the web process is gone; the engine process exits")
+                return 0
+            _forget_client(core, client, compiles)
+            log.info("web process %s left", client.name)
             return 0
         kind = command[0]
         if kind == "add":
             _, rid, payload = command
+            if core.owners.setdefault(rid, client) is not client:  # another web process's request
+                client.send(("iter", [(rid, _encode_error(DuplicateRequestError(rid)))], [], None))
+                continue
             try:  # apart from the id: a request that cannot be read here is refused, not lost
                 prompt, params, lane, tenant_id, cache_salt, arrival = pickle.loads(payload)
             except Exception as exc:
@@ -229,10 +278,10 @@ def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
                     continue
             core.by_id[rid] = state
             core._post(_Add(state, prompt, params, cache_salt, rid, matcher, arrival_time=arrival))
+        elif kind in ("abort", "pause") and core.owners.get(command[1]) is not client:
+            continue  # not this web process's request (a finished one's id, or another's)
         elif kind == "abort":
-            rid, error = command[1], command[2]
-            if not compiles.hold(rid, lambda _state, rid=rid, error=error: _Abort(rid, None, error)):
-                core._post(_Abort(rid, None, error))
+            _abort(core, compiles, command[1], command[2])
         elif kind == "pause":
             rid, paused = command[1], command[2]
             if compiles.hold(rid, lambda state, paused=paused: _Pause(state, paused)):
@@ -241,14 +290,29 @@ def _serve_commands(core: _CoreEngine, conn: Connection) -> int:
             if state is not None:
                 core._post(_Pause(state, paused))
         elif kind == "render":
-            core.send(("rendered", command[1], core.metrics.render() if core.metrics else b""))
+            client.send(("rendered", command[1], core.metrics.render() if core.metrics else b""))
         elif kind == "stop":
-            core.shutdown(command[1])
-            core.send(("stopped",))
+            if shared:  # a web process stopping: its requests end, the engine serves the others
+                _forget_client(core, client, compiles)
+            else:
+                core.shutdown(command[1])
+            client.send(("stopped",))
             return 0
 
 
+def _abort(core: _CoreEngine, compiles: _Compiles, rid: str, error: str | None) -> None:
+    if not compiles.hold(rid, lambda _state: _Abort(rid, None, error)):
+        core._post(_Abort(rid, None, error))
+
+
+def _forget_client(core: _CoreEngine, client: _Client, compiles: _Compiles) -> None:
+    """A web process gone or stopping: nobody reads its requests any more, so they stop."""
+    for rid in core.leave(client):
+        _abort(core, compiles, rid, GONE)
+
+
 def _load_apart(config: EngineConfig):
+
     """The engine, or what loading it raised, loaded on a thread that ends before the engine
     thread starts. libgomp gives each thread that opens a parallel region a team of its own and,
     while it manages more threads than there are CPUs, has their workers sleep between regions
@@ -272,39 +336,179 @@ def _load_apart(config: EngineConfig):
     return result[0]
 
 
+def _start(config: EngineConfig, busy: mmap.mmap) -> tuple[_CoreEngine, dict] | Exception:
+    """The engine loaded and serving, with what its web processes are told when they connect;
+    or what loading raised."""
+    from inference.engine.metrics import EngineMetrics
+
+    loaded = _load_apart(config)
+    if isinstance(loaded, Exception):
+        return loaded
+    engine = loaded
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the weights and the model's objects are never garbage: full collections skip them
+    core = _CoreEngine(engine, busy, metrics=EngineMetrics())
+    core.start()
+    if engine.grammars is not None:
+        # llguidance's tokenizer, built at the first structured request, took 0.33 s of the
+        # command thread (2-core Zen 3), where every tenant's submits queue: built now, beside it.
+        threading.Thread(target=engine.grammars.tokenizer, name="grammar-tokenizer", daemon=True).start()
+    bm = engine.block_manager
+    return core, {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
+                  "num_blocks": bm.num_blocks, "block_size": bm.block_size, "model_name": engine.model_name}
+
+
+def _ready(core: _CoreEngine, info: dict) -> tuple:
+    # With its first stats: the next ones come with the first iteration, and until a request
+    # ran the operator's engine page read a cache of zero blocks.
+    stats = core.stats()
+    return ("ready", {**info, "stats": dataclasses.replace(stats, lanes=dict(stats.lanes))})
+
+
 def main(argv: list[str]) -> int:
+    """The engine as the child of one web process (`python -m inference.engine.process FD BUSY_FD`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the web process decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[1]))
     busy = mmap.mmap(int(argv[2]), _BUSY.size)
     config, log_level = conn.recv()  # the web process's level: its LOG_LEVEL
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine %(process)d] %(message)s")
-    from inference.engine.metrics import EngineMetrics
-
-    loaded = _load_apart(config)
-    if isinstance(loaded, Exception):
-        log.error("the engine failed to load", exc_info=loaded)
-        conn.send(("failed", _encode_error(loaded)))
+    started = _start(config, busy)
+    if isinstance(started, Exception):
+        log.error("the engine failed to load", exc_info=started)
+        conn.send(("failed", _encode_error(started)))
         return 1
-    engine = loaded
-    import gc
+    core, info = started
+    client = _Client(conn, "parent")  # no bound: the process it serves is its parent, and alone
+    client.send(_ready(core, info))
+    core.join(client)
+    return _serve_commands(core, client, _Compiles(core), shared=False)
 
-    gc.collect()
-    gc.freeze()  # the weights and the model's objects are never garbage: full collections skip them
-    core = _CoreEngine(engine, conn, threading.Lock(), busy, metrics=EngineMetrics())
-    core.start()
-    bm = engine.block_manager
-    # With its first stats: the next ones come with the first iteration, and until a request
-    # ran the operator's engine page read a cache of zero blocks.
-    stats = core.stats()
-    core.send(("ready", {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-                         "num_blocks": bm.num_blocks, "block_size": bm.block_size, "model_name": engine.model_name,
-                         "stats": dataclasses.replace(stats, lanes=dict(stats.lanes))}))
-    if engine.grammars is not None:
-        # llguidance's tokenizer, built at the first structured request, took 0.33 s of the
-        # command thread (2-core Zen 3), where every tenant's submits queue: built now, beside it.
-        threading.Thread(target=engine.grammars.tokenizer, name="grammar-tokenizer", daemon=True).start()
-    return _serve_commands(core, conn)
+
+# -- one engine for several web processes ------------------------------------------------------
+
+# What an engine shared by web processes buffers for one that stops reading before it drops it
+# (that process then fails its requests and connects again): an iteration's message is a few KB.
+CLIENT_BUFFER_BYTES = 64 * 1024**2
+HELLO_TIMEOUT_S = 10.0
+
+
+def config_differences(mine: EngineConfig, theirs: EngineConfig) -> list[str]:
+    """The settings two processes must agree on to share an engine (not its CPU threads, which
+    each process sizes for itself)."""
+    return [f.name for f in dataclasses.fields(EngineConfig)
+            if f.name != "cpu_threads" and getattr(mine, f.name) != getattr(theirs, f.name)]
+
+
+class SharedEngine:
+    """The engine serving every web process that connects to a Unix socket: one model in memory
+    and one batch for all of them (a GPU holds one engine). A web process that goes away
+    (its socket's end of file) has its requests aborted; the others are served on.
+
+    `serve()` returns once stopped: `stop()` (SIGTERM) stops taking web processes, waits for
+    the connected ones to leave (they drain first) at most `drain_timeout_s`, then ends the
+    requests still running."""
+
+    def __init__(self, config: EngineConfig, path: str | os.PathLike, *, drain_timeout_s: float = 30.0) -> None:
+        self.config, self.path, self.drain_timeout_s = config, os.fspath(path), drain_timeout_s
+        self._stopping = threading.Event()
+        self._clients_lock = threading.Lock()
+        self.core: _CoreEngine | None = None
+
+    def serve(self, on_listening: Callable[[], None] | None = None) -> int:
+        busy_fd = os.memfd_create("llm-engine-busy")
+        os.ftruncate(busy_fd, _BUSY.size)
+        busy = mmap.mmap(busy_fd, _BUSY.size)
+        _BUSY.pack_into(busy, 0, math.nan)
+        started = _start(self.config, busy)
+        if isinstance(started, Exception):
+            log.error("the engine failed to load", exc_info=started)
+            return 1
+        self.core, info = started
+        # Which engine this is, for the fleet to count an engine its web processes share once.
+        info["engine_id"] = f"{socket.gethostname()}:{os.getpid()}"
+        compiles = _Compiles(self.core)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Bound only once loaded: until then a web process's connect is refused and it retries,
+        # reading "loading" on its /readyz meanwhile.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        old_umask = os.umask(0o077)  # the socket is this user's alone: it takes any tenant's request
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        listener.settimeout(0.5)
+        log.info("engine serving web processes on %s", self.path)
+        if on_listening is not None:
+            on_listening()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    sock, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                sock.settimeout(None)
+                threading.Thread(target=self._welcome, args=(sock, busy_fd, info, compiles), daemon=True,
+                                 name="engine-client").start()
+        finally:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.core.clients and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.core.clients:
+            log.warning("%d web processes still connected after %.0f s; stopping", len(self.core.clients),
+                        self.drain_timeout_s)
+        self.core.shutdown()
+        for client in self.core.clients:
+            client.close()
+        return 0
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _welcome(self, sock: socket.socket, busy_fd: int, info: dict, compiles: _Compiles) -> None:
+        core = self.core
+        try:
+            socket.send_fds(sock, [b"B"], [busy_fd])
+            conn = Connection(sock.detach())
+        except OSError:
+            sock.close()
+            return
+        try:
+            if not conn.poll(HELLO_TIMEOUT_S):
+                raise EOFError
+            kind, config, name = conn.recv()
+            if kind != "hello":
+                raise EOFError
+        except (EOFError, OSError, ValueError, TypeError, pickle.UnpicklingError, AttributeError, ImportError):
+            conn.close()  # not a web process of ours, or one that died saying hello
+            return
+        differ = config_differences(self.config, config)
+        if differ:
+            log.error("web process %s refused: its INFERENCE settings differ from this engine's (%s)", name,
+                      ", ".join(differ))
+            error = EngineError(f"this web process's INFERENCE settings differ from the engine server's: "
+                                f"{', '.join(differ)}")
+            with contextlib.suppress(OSError):
+                conn.send(("failed", _encode_error(error)))
+            conn.close()
+            return
+        client = _Client(conn, name, limit=CLIENT_BUFFER_BYTES)
+        client.send(_ready(core, info))  # before it joins: no iteration reaches it ahead of "ready"
+        core.join(client)
+        log.info("web process %s connected", name)
+        try:
+            _serve_commands(core, client, compiles, shared=True)
+        finally:
+            if client in core.clients:  # not left through its commands (an error here)
+                _forget_client(core, client, compiles)
+            client.close()
 
 
 # -- the web process's side --------------------------------------------------------------------
@@ -342,13 +546,15 @@ class _RemoteMetrics:
 
 
 class _Writer:
-    """Messages to the engine process that never block the sender (the web tier's event loop):
-    what the socket does not take at once waits in a buffer that a thread of its own writes
-    out, in order. A stopped or stuck engine process stops reading; its socket fills (~200 KB:
-    a few long prompts) and a plain send then blocked the whole web process, probes and
-    console included, not just the requests to the engine."""
+    """Messages that never block the sender (the web tier's event loop, the engine thread): what
+    the socket does not take at once waits in a buffer that a thread of its own writes out, in
+    order. A stopped or stuck engine process stops reading; its socket fills (~200 KB: a few
+    long prompts) and a plain send then blocked the whole web process, probes and console
+    included, not just the requests to the engine. Likewise a web process that stops reading
+    must not stop an engine that others share: past `limit` bytes it is dropped."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, limit: int | None = None) -> None:
+        self._limit = limit  # bytes buffered past which the peer counts as gone
         # The same socket: MSG_DONTWAIT per call leaves the descriptor, which the reader shares, blocking.
         self._sock = socket.socket(fileno=os.dup(fd))
         self._lock = threading.Condition()
@@ -371,6 +577,13 @@ class _Writer:
                 if sent == len(frame):
                     return
                 frame = frame[sent:]
+            if self._limit is not None and len(self._pending) + len(frame) > self._limit:
+                self._closed = True
+                self._pending.clear()
+                self._lock.notify()
+                with contextlib.suppress(OSError):  # both ends read the end of file: the peer is dropped
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                raise BrokenPipeError(f"the peer read nothing of the last {self._limit} bytes")
             self._pending += frame
             self._lock.notify()
 
@@ -400,22 +613,33 @@ class _Writer:
 
 @dataclasses.dataclass
 class _Child:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: a shared engine's, not this process's child
     conn: Connection  # what the engine process says, read by the supervisor
     busy: mmap.mmap
     writer: _Writer  # what it is told
+    closed: bool = False  # a shared engine's connection ended
+
+    def alive(self) -> bool:
+        return not self.closed if self.proc is None else self.proc.poll() is None
 
 
 class EngineProcess:
-    """`AsyncEngine`'s serving interface over an engine in a child process."""
+    """`AsyncEngine`'s serving interface over an engine in a child process, or, given `shared`
+    (a Unix socket's path), over the `SharedEngine` that serves this and other web processes
+    there: started by someone else (`manage.py engine_server`), connected to, and connected to
+    again when it restarts."""
 
     def __init__(self, config: EngineConfig, *, lease_s: float = 45.0, clock: Callable[[], float] = time.monotonic,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, shared: str | os.PathLike | None = None,
+                 name: str = "") -> None:
         self.config, self.lease_s = config, lease_s
+        self.shared = None if shared is None else os.fspath(shared)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._clock = clock  # RequestStream reads it; the lease is on it
         self.start_timeout_s = start_timeout_s
         self.metrics = _RemoteMetrics(self)
         self.engine: EngineShape | None = None
+        self.engine_id: str | None = None  # a shared engine's: the same in each web process it serves
         self._lock = threading.Lock()  # _states, _adds, _renders and sending
         self._states: dict[str, _RequestState] = {}
         self._last: dict[str, RequestOutput] = {}  # each request's latest output: its counters so far
@@ -437,7 +661,7 @@ class EngineProcess:
         """Start the engine process and wait until it serves; raises what its loading raised."""
         if self._supervisor is not None:
             raise RuntimeError("EngineProcess.start() called twice")
-        info = self._spawn()
+        info = self._connect() if self.shared else self._spawn()
         from inference.engine.sources import resolve_source
         from inference.engine.tokenizer import Tokenizer
 
@@ -482,8 +706,55 @@ class EngineProcess:
         log.info("engine process %d serving", proc.pid)
         return answer[1]
 
+    def _connect(self) -> dict:
+        """Connect to the shared engine, waiting while it loads (its socket appears once loaded)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.shared)
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                if not fds:
+                    raise ConnectionResetError("the engine server closed the connection")
+                sock.settimeout(None)
+                break
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise EngineError(f"no engine server answered on {self.shared} within "
+                                      f"{self.start_timeout_s:g} s ({type(exc).__name__})") from None
+                time.sleep(0.2)
+            except TimeoutError:
+                sock.close()
+                raise EngineError(f"the engine server on {self.shared} did not answer within "
+                                  f"{self.start_timeout_s:g} s") from None
+        busy = mmap.mmap(fds[0], _BUSY.size)
+        os.close(fds[0])
+        conn = Connection(sock.detach())
+        try:
+            conn.send(("hello", self.config, self.name))
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise EngineError(f"the engine server on {self.shared} did not answer within {self.start_timeout_s:g} s")
+            answer = conn.recv()
+        except EOFError:
+            conn.close()
+            raise EngineError(f"the engine server on {self.shared} closed the connection") from None
+        except BaseException:
+            conn.close()
+            raise
+        if answer[0] == "failed":
+            conn.close()
+            raise _decode_error(answer[1])
+        self._child = _Child(None, conn, busy, _Writer(conn.fileno()))
+        self._snapshot = answer[1]["stats"]
+        self.engine_id = answer[1]["engine_id"]
+        log.info("connected to the engine server on %s", self.shared)
+        return answer[1]
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine process; requests still in flight end with finish_reason "error"."""
+        """Stop the engine process (leave the shared engine); requests still in flight end with
+        finish_reason "error"."""
         with self._lock:
             self._stopping = True
             self._serving = False
@@ -497,7 +768,8 @@ class EngineProcess:
             if self._supervisor is not None and self._supervisor is not threading.current_thread():
                 self._supervisor.join(timeout + 5)
             try:
-                child.proc.wait(5)
+                if child.proc is not None:
+                    child.proc.wait(5)
             except subprocess.TimeoutExpired:
                 log.error("engine process %d did not stop; killing it", child.proc.pid)
                 child.proc.kill()
@@ -508,7 +780,7 @@ class EngineProcess:
 
     def is_ready(self) -> bool:
         child = self._child
-        return self._serving and child is not None and child.proc.poll() is None
+        return self._serving and child is not None and child.alive()
 
     def busy_for(self) -> float:
         """Seconds the engine thread has spent in its current loop iteration (0 while it waits)."""
@@ -560,7 +832,11 @@ class EngineProcess:
 
     def stats(self) -> EngineStats:
         snapshot = self._snapshot
-        return dataclasses.replace(snapshot, ready=self.is_ready(), restarts=snapshot.restarts + self._restarts)
+        stats = dataclasses.replace(snapshot, ready=self.is_ready(), restarts=snapshot.restarts + self._restarts)
+        if self.shared:  # the engine's other web processes' requests are theirs to drain
+            with self._lock:
+                stats = dataclasses.replace(stats, in_flight=len(self._states))
+        return stats
 
     def _post(self, command) -> None:
         """RequestStream's aborts and pauses, to the engine process."""
@@ -613,19 +889,23 @@ class EngineProcess:
             self._read(child)
             if self._stopping:
                 return
-            code = child.proc.wait()
+            if child.proc is None:
+                child.closed = True
+                self.error = f"the engine server on {self.shared} closed the connection"
+            else:
+                self.error = f"the engine process exited (code {child.proc.wait()})"
             child.writer.close()
             child.conn.close()
             self._serving = False
-            self.error = f"the engine process exited (code {code})"
-            log.error("%s; failing the requests in flight and starting another", self.error)
+            log.error("%s; failing the requests in flight and %s", self.error,
+                      "connecting again" if self.shared else "starting another")
             self._fail_all(f"the engine failed while computing this request ({self.error})")
             while not self._stopping:
                 time.sleep(delay)
                 try:
                     with self._lock:
                         self._child = None
-                    self._spawn()
+                    self._connect() if self.shared else self._spawn()
                 except Exception:
                     log.exception("the engine process could not start again; retrying in %.0f s", delay)
                     delay = min(MAX_RESTART_DELAY_S, delay * 2)

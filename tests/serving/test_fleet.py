@@ -48,6 +48,20 @@ def test_the_fleet_lists_every_replica_and_sums_their_numbers(client, redis, set
 
 
 @pytest.mark.django_db
+@pytest.mark.django_db
+def test_an_engine_that_replicas_share_is_counted_once(client, redis, settings):
+    """Web processes sharing one engine (INFERENCE_ENGINE_SOCKET) each report its numbers: the
+    fleet adds them once, and each process's own streams and requests in flight every time."""
+    settings.OPERATOR_API_TOKEN = token = "t" * 40
+    for ident, engine, in_flight in (("a", "host:1", 2), ("b", "host:1", 5), ("c", None, 1)):
+        fleet.Heartbeat(lambda e=engine, n=in_flight: {**report(3, 1), "engine": e, "requests_in_flight": n},
+                        period_s=5, ident=ident, url=f"http://replica-{ident}:8000").beat()
+    totals = listed(client, token)["totals"]
+    assert (totals["replicas"], totals["engines"]) == (3, 2)
+    assert (totals["requests_running"], totals["kv_blocks_total"], totals["requests_waiting"]["1"]) == (6, 200, 2)
+    assert totals["requests_in_flight"] == 8
+
+
 def test_a_replica_that_stops_reporting_leaves_within_three_beats_and_one_that_stops_cleanly_at_once(
         client, redis, settings):
     settings.OPERATOR_API_TOKEN = token = "t" * 40
