@@ -27,6 +27,7 @@ decides alone until a write lands (tenants.fallback).
     .venv/bin/python bench/isolation.py --samples 40
     .venv/bin/python bench/isolation.py --front nginx   # through deploy/nginx.conf, as production runs
     .venv/bin/python bench/isolation.py --front nginx --replicas 2   # make cluster's shape
+    .venv/bin/python bench/isolation.py --front python --replicas 2  # make run with WEB_WORKERS=2
     .venv/bin/python bench/isolation.py --only "400 burst" --attacker-nice 19
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ import redis  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
 from tests.live import (  # noqa: E402
+    DEFAULT_ENV,
     READY_TIMEOUT_S,
     WEB_BACKLOG,
     LiveServer,
@@ -387,9 +389,11 @@ def summary(outcome: dict) -> str:
     return "; ".join(parts)
 
 
-def start_replicas(server: LiveServer, tmp: Path, count: int) -> tuple[list[str], Callable[[], None]]:
+def start_replicas(server: LiveServer, tmp: Path, count: int,
+                   env_of: Callable[[int], dict[str, str]] = lambda number: {}) -> tuple[list[str], Callable[[], None]]:
     """`count` more daphne replicas of `server` (its database, Redis and settings, a usage journal
-    each), as `make cluster` runs them; returns their addresses and how to stop them."""
+    each, and `env_of(its number)`: 2, 3...), as `make cluster` runs them; returns their addresses
+    and how to stop them."""
     procs: list[subprocess.Popen] = []
 
     def stop() -> None:
@@ -403,7 +407,7 @@ def start_replicas(server: LiveServer, tmp: Path, count: int) -> tuple[list[str]
         for i in range(count):
             port = free_port()
             env = dict(server.env, REPLICA_URL=f"http://127.0.0.1:{port}",
-                       USAGE_OUTBOX_DIR=str(tmp / f"usage-outbox-{i + 2}"))
+                       USAGE_OUTBOX_DIR=str(tmp / f"usage-outbox-{i + 2}"), **env_of(i + 2))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "daphne", "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={WEB_BACKLOG}",
                  "config.asgi:application"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
@@ -419,6 +423,47 @@ def start_replicas(server: LiveServer, tmp: Path, count: int) -> tuple[list[str]
         stop()
         raise
     return addresses, stop
+
+
+def workers_env(tmp: Path, workers: int) -> dict[str, str]:
+    """What `make run` with WEB_WORKERS sets for its web processes (platform/run.py)."""
+    return {"INFERENCE_ENGINE_SOCKET": str(tmp / "engine.sock"), "FRONT_SOCKET": str(tmp / "front.sock"),
+            "WEB_WORKER": "0", "REPLICA_ID": "web-1", "LIMITS_FALLBACK_SHARE": str(1 / workers)}
+
+
+def start_engine_server(tmp: Path, env: dict[str, str]) -> Callable[[], None]:
+    """`manage.py engine_server`, which the web processes connect to (they wait while it loads)."""
+    child_env = {k: v for k, v in os.environ.items() if k != "DJANGO_ENV"}
+    child_env.update(DEFAULT_ENV, **env, DJANGO_SETTINGS_MODULE="config.settings")
+    proc = subprocess.Popen([sys.executable, "manage.py", "engine_server"], cwd=ROOT, env=child_env,
+                            stdin=subprocess.DEVNULL, stdout=(tmp / "engine.log").open("w"), stderr=subprocess.STDOUT)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return stop
+
+
+def start_python_front(tmp: Path, port: int, env: dict[str, str], workers: int) -> Callable[[], None]:
+    """platform/front.py on `port`, handing connections to `workers` web processes."""
+    child_env = dict(os.environ, WEB_WORKERS=str(workers), WEB_PORT=str(port), WEB_BACKLOG=str(WEB_BACKLOG),
+                     FRONT_SOCKET=env["FRONT_SOCKET"], LOG_LEVEL="WARNING", DRAIN_TIMEOUT_S=DEFAULT_ENV["DRAIN_TIMEOUT_S"])
+    proc = subprocess.Popen([sys.executable, "platform/front.py"], cwd=ROOT, env=child_env, stdin=subprocess.DEVNULL,
+                            stdout=(tmp / "front.log").open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while http_status(f"http://127.0.0.1:{port}/healthz") != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the front never served: " + (tmp / "front.log").read_text())
+        time.sleep(0.1)
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return stop
 
 
 def replica_of(server: LiveServer, logs: list[Path], tenant: str) -> int:
@@ -442,30 +487,42 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=[name for name, _ in ATTACKS], metavar="ATTACK",
                         help="run only this attack (again for more), beside the idle row; default: all")
     parser.add_argument("--attacker-nice", type=int, default=0, help="the 400 burst's client process's nice value")
-    parser.add_argument("--front", choices=["none", "nginx"], default="none",
+    parser.add_argument("--front", choices=["none", "nginx", "python"], default="none",
                         help="nginx: every request (bystander's and attacker's) through deploy/nginx.conf in "
-                             "front of the server, as production runs it (Debian's nginx)")
+                             "front of the server, as production runs it (Debian's nginx); python: through "
+                             "platform/front.py to --replicas web processes sharing one engine (`make run` with "
+                             "WEB_WORKERS)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="with --front nginx: this many daphne replicas (each with its engine) behind it, sharing "
-                             "the database and Redis, routed by key as deploy/nginx.conf does; the table says which "
-                             "replica each tenant's key lands on")
+                             "the database and Redis, routed by key as deploy/nginx.conf does; with --front python: "
+                             "this many web processes sharing one engine; the table says which replica each "
+                             "tenant's key lands on (when idle)")
     parser.add_argument("--bystander-on", choices=["any", "other", "same"], default="any",
                         help="with --replicas: give the bystander new keys until its key lands on another replica "
                              "than the attacker's, or on the same one (default: wherever its first key lands)")
     args = parser.parse_args()
-    if args.replicas > 1 and args.front != "nginx":
-        parser.error("--replicas needs --front nginx")
+    if args.replicas > 1 and args.front == "none":
+        parser.error("--replicas needs --front nginx or python")
     ATTACKER_NICE[0] = args.attacker_nice
     attacks = [(name, attack) for name, attack in ATTACKS if not args.only or name in args.only]
     with tempfile.TemporaryDirectory() as tmp:
-        server, stop_server = start_live_server(Path(tmp), TIERS, TENANTS, ENV)
+        env, stop_engine = dict(ENV), None
+        if args.front == "python":
+            env.update(workers_env(Path(tmp), args.replicas))
+            stop_engine = start_engine_server(Path(tmp), env)
+        server, stop_server = start_live_server(Path(tmp), TIERS, TENANTS, env)
         stop_front = stop_replicas = None
         placed = ""
         try:
-            if args.front == "nginx":
-                extra, stop_replicas = start_replicas(server, Path(tmp), args.replicas - 1)
+            if args.front in ("nginx", "python"):
+                extra, stop_replicas = start_replicas(
+                    server, Path(tmp), args.replicas - 1,
+                    lambda n: {"WEB_WORKER": str(n - 1), "REPLICA_ID": f"web-{n}"} if args.front == "python" else {})
                 port = free_port()
-                stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://"), *extra])
+                if args.front == "nginx":
+                    stop_front = start_nginx(Path(tmp) / "nginx", port, [server.url.removeprefix("http://"), *extra])
+                else:
+                    stop_front = start_python_front(Path(tmp), port, env, args.replicas)
                 server = dataclasses.replace(server, url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}")
                 if extra:
                     logs = [server.log_path] + [Path(tmp) / f"replica-{i + 2}.log" for i in range(len(extra))]
@@ -504,16 +561,22 @@ def main() -> None:
                 rows.append((name, times, failed, summary(outcome)))
                 print(f"{name}: done", file=sys.stderr, flush=True)
         finally:
-            if stop_front is not None:
+            if stop_front is not None and args.front == "nginx":
                 stop_front()
             if stop_replicas is not None:
                 stop_replicas()
             stop_server()
+            if stop_front is not None and args.front == "python":  # it waits for its web processes to leave
+                stop_front()
+            if stop_engine is not None:
+                stop_engine()
     base = pct(idle, 99)
     print(f"\nbystander: streamed chat, max_tokens 8, {args.samples} sequential requests per row; "
           f"attacker on a tier of {ORDINARY['concurrent_streams']} concurrent generations; "
           f"database {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}"
-          + ("; through nginx (deploy/nginx.conf)" if args.front == "nginx" else "") + placed
+          + ("; through nginx (deploy/nginx.conf)" if args.front == "nginx" else "")
+          + ("; through platform/front.py, the web processes sharing one engine" if args.front == "python" else "")
+          + placed
           + ("; the engine in a thread of the web process"
              if os.environ.get("INFERENCE_ENGINE_PROCESS", "").lower() in ("0", "false", "off", "no")
              else "; the engine in a process of its own")

@@ -1,4 +1,5 @@
 """ASGI entry point: Channels routes streaming endpoints and WebSockets, Django the rest."""
+import functools
 import os
 
 from django.core.asgi import get_asgi_application
@@ -13,7 +14,7 @@ from django.conf import settings  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
 from batches import upload_gate  # noqa: E402
-from config import daphne_hooks, intake  # noqa: E402
+from config import daphne_hooks, front_worker, intake  # noqa: E402
 from config.request_ids import RequestIdMiddleware  # noqa: E402
 from console.routing import console_routes  # noqa: E402
 from inference import drain, fleet  # noqa: E402
@@ -42,6 +43,8 @@ flood_gate.install()  # past a tenant's in-flight bound (429) or with an unusabl
 # The engine loads, the replica reports to the fleet and SIGTERM drains from the moment daphne
 # serves, not from its first connection (EngineLifespan does the same for servers with lifespan).
 daphne_hooks.call_when_serving(host.start, fleet.join, drain.install)
+if settings.FRONT_SOCKET:  # connections also come from the front, handed over whole
+    daphne_hooks.call_when_serving(functools.partial(front_worker.start, settings.FRONT_SOCKET, settings.WEB_WORKER))
 
 # No origin validator on WebSockets: callers authenticate with a bearer key, which a
 # browser page cannot attach to another site's socket, and most API clients send no Origin.

@@ -429,6 +429,7 @@ def call_when_serving(*calls) -> None:
     def run(self):
         from twisted.internet import reactor
 
+        Server.serving = self  # the one server of this process (config.front_worker hands it connections)
         # Inside the running loop: after Twisted's signal handlers (drain replaces SIGTERM's).
         for call in Server._serving_calls:
             reactor.callLater(0, call)

@@ -197,6 +197,10 @@ REPLICA_ID = env.str("REPLICA_ID", default="")  # default: host name and pid
 REPLICA_URL = env.str("REPLICA_URL", default=f"http://127.0.0.1:{env.int('WEB_PORT', default=PORT)}")
 # How often each replica reports; one that misses three reports leaves the fleet.
 FLEET_HEARTBEAT_S = env.float("FLEET_HEARTBEAT_S", default=2.0)
+# Behind the front (`make run` with WEB_WORKERS above 1, platform/front.py): its Unix socket,
+# where this web process takes connections, and this process's number there (0..WEB_WORKERS-1).
+FRONT_SOCKET = env.str("FRONT_SOCKET", default="")
+WEB_WORKER = env.int("WEB_WORKER", default=0)
 # SIGTERM drains (inference.drain): no new generations, the running ones finish, then exit;
 # past this long it exits anyway. A supervisor's stop timeout should be longer.
 DRAIN_TIMEOUT_S = env.float("DRAIN_TIMEOUT_S", default=60.0)

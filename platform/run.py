@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """`make run`: migrate (and collectstatic with DEBUG off), create the admin user once, then hand over to honcho, which runs
 redis (unless REDIS_URL points at one), web (daphne) and worker (Celery) from
-platform/Procfile. A web process or worker that dies (a crash, the OOM killer) is started again
+platform/Procfile. With WEB_WORKERS above 1 (the default where there are two cores or more)
+the web line becomes that many daphne processes on loopback ports of their own, one engine
+they share (`manage.py engine_server`) and the front on PORT that hands each connection to
+one of them (platform/front.py). A web process or worker that dies (a crash, the OOM killer) is started again
 after 2 s by platform/supervise.sh, which gives it up (and honcho stops the platform) when it
 exits within 10 s of starting 5 times in a row; Redis exiting stops the platform.
 
@@ -104,8 +107,45 @@ def prepare_database(run_dir: Path) -> str:
     return ensure_admin(run_dir)
 
 
+def web_workers() -> int:
+    """WEB_WORKERS, by default 2 where this process may run on two cores or more: a tenant's
+    burst of connections then keeps one web process busy while another serves the rest
+    (platform/front.py), and one core's interpreter is not the whole web tier."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    value = os.environ.get("WEB_WORKERS", "2" if cores >= 2 else "1")
+    if not value.isdigit() or int(value) < 1:
+        sys.exit(f"WEB_WORKERS must be a whole number, at least 1, not {value!r}")
+    return int(value)
+
+
+def workers_procfile(run_dir: Path, processes: list[str], workers: int) -> Path:
+    """platform/Procfile's redis and Celery worker, with WEB_WORKERS web processes on loopback
+    ports of their own in place of its one web process, one engine they share, and the front
+    on PORT handing them connections (platform/front.py)."""
+    env = os.environ
+    base = dict(line.split(": ", 1) for line in (ROOT / "platform" / "Procfile").read_text().splitlines() if line)
+    env["INFERENCE_ENGINE_SOCKET"] = str(run_dir / "engine.sock")
+    env["FRONT_SOCKET"] = str(run_dir / "front.sock")
+    # Each grants this part of every limit alone while Redis does not answer (tenants.fallback).
+    env.setdefault("LIMITS_FALLBACK_SHARE", str(1 / workers))
+    lines = [f"redis: {base['redis']}"] if "redis" in processes else []
+    python = sys.executable
+    lines.append(f"engine: sh platform/supervise.sh engine {python} manage.py engine_server")
+    for number in range(workers):
+        port = free_port()
+        # Exported first: the web line expands $WEB_PORT itself.
+        lines.append(f"web{number + 1}: export WEB_WORKER={number} REPLICA_ID=web-{number + 1} WEB_PORT={port} "
+                     f"REPLICA_URL=http://127.0.0.1:{port}; {base['web']}")
+    lines.append(f"front: sh platform/supervise.sh front {python} platform/front.py")
+    lines.append(f"worker: {base['worker']}")
+    path = run_dir / "Procfile.workers"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def main() -> None:
     run_dir, processes = begin()
+    workers = web_workers()
     login = prepare_database(run_dir)
     base = f"http://127.0.0.1:{os.environ['PORT']}"
     print(
@@ -115,8 +155,12 @@ def main() -> None:
         flush=True,
     )
 
-    honcho = [sys.executable, "-m", "honcho", "-f", str(ROOT / "platform" / "Procfile"), "-d", str(ROOT),
-              "start", *processes]
+    if workers > 1:
+        honcho = [sys.executable, "-m", "honcho", "-f", str(workers_procfile(run_dir, processes, workers)), "-d",
+                  str(ROOT), "start"]
+    else:
+        honcho = [sys.executable, "-m", "honcho", "-f", str(ROOT / "platform" / "Procfile"), "-d", str(ROOT),
+                  "start", *processes]
     os.execv(sys.executable, honcho)
 
 

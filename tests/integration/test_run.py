@@ -87,15 +87,21 @@ def test_launcher_serves_and_stops_everything_on_sigint(tmp_path):
         assert http_status(f"http://127.0.0.1:{port}/readyz") == 200
         _a_batch_runs_through_the_worker(port, env, "second")
     finally:
-        started |= descendants(launcher.pid)
-        launcher.send_signal(signal.SIGINT)
-        try:
-            launcher.wait(timeout=30)
-        finally:
-            survivors = [p for p in started if alive(p)]
-            for p in survivors:
-                os.kill(p, signal.SIGKILL)
+        survivors = stop_launcher(launcher, started)
     assert not survivors, f"still running after SIGINT: {survivors}"
+
+
+def stop_launcher(launcher: subprocess.Popen, started: set[int], timeout: float = 30) -> list[int]:
+    """SIGINT to the launcher; the processes it started that outlived it (killed now)."""
+    started = started | descendants(launcher.pid)
+    launcher.send_signal(signal.SIGINT)
+    try:
+        launcher.wait(timeout=timeout)
+    finally:
+        survivors = [p for p in started if alive(p)]
+        for p in survivors:
+            os.kill(p, signal.SIGKILL)
+    return survivors
 
 
 def celery_workers(launcher: int) -> set[int]:
