@@ -29,3 +29,8 @@ def _fast_client_for(url: str, timeout_s: float) -> redis.Redis:
 def admission_client() -> redis.Redis:
     """The client admission asks under a short deadline (LIMITS_REDIS_TIMEOUT_S)."""
     return _fast_client_for(settings.REDIS_URL, settings.LIMITS_REDIS_TIMEOUT_S)
+
+
+def confirm_client() -> redis.Redis:
+    """The client that tells a missed deadline from Redis away (LIMITS_REDIS_CONFIRM_S)."""
+    return _fast_client_for(settings.REDIS_URL, settings.LIMITS_REDIS_CONFIRM_S)

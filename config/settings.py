@@ -150,13 +150,14 @@ STREAM_LEASE_TTL_S = env.float("STREAM_LEASE_TTL_S", default=30.0)
 LIMITS_FALLBACK_SHARE = env.float("LIMITS_FALLBACK_SHARE", default=1.0)
 # Admission's deadline on each Redis call (local Redis answers in ~0.2 ms). One that misses
 # it makes this process decide limits alone until Redis answers a write (tenants.fallback);
-# the deadline is what a write pause adds to a first token. A single process alone decides
-# as Redis would, so a false trip (a busy box, not Redis) costs nothing: 0.02 s (on a 2-core
-# Zen 5 whose idle first token is 0.02 s, 0.05 s put a pause's at 2.4-3.0x idle p99, 0.02 s at
-# 1.2-1.6x, and 400-connection bursts tripped it in no run). A replica alone grants 1/N of a
-# slot limit and a false trip can refuse: 0.1 s, where a loaded 2-core box tripped none in a
-# run of the replica-kill test (12 at 0.05 s).
-LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.02 if LIMITS_FALLBACK_SHARE >= 1 else 0.1)
+# the deadline is what a write pause adds to a first token: on a 2-core Zen 5 whose idle first
+# token is 0.02 s, 0.05 s put a pause's at 2.4-3.0x idle p99, 0.02 s at 1.2-1.6x.
+LIMITS_REDIS_TIMEOUT_S = env.float("LIMITS_REDIS_TIMEOUT_S", default=0.02)
+# A process granting part of each limit (LIMITS_FALLBACK_SHARE below 1) refuses alone only once
+# Redis misses this longer deadline too: a deadline missed because the box was busy (a false
+# trip: 12 at 0.05 s in a run of the replica-kill test on a loaded 2-core box, none at 0.1 s)
+# then refuses nobody; a tenant that fits its share is admitted at the short deadline.
+LIMITS_REDIS_CONFIRM_S = env.float("LIMITS_REDIS_CONFIRM_S", default=0.1)
 # Refused API requests the console's requests tail keeps, newest first, shared by every replica
 # in one Redis list (inference.refusals): ~300 bytes each.
 REFUSALS_KEPT = env.int("REFUSALS_KEPT", default=1000)

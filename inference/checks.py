@@ -75,6 +75,8 @@ def check_limits_fallback(app_configs: Any = None, **kwargs: Any) -> list[Error]
     problems = []
     if not settings.LIMITS_REDIS_TIMEOUT_S > 0:
         problems.append(Error("LIMITS_REDIS_TIMEOUT_S must be positive.", id="inference.E008"))
+    if not settings.LIMITS_REDIS_CONFIRM_S >= settings.LIMITS_REDIS_TIMEOUT_S:
+        problems.append(Error("LIMITS_REDIS_CONFIRM_S must be at least LIMITS_REDIS_TIMEOUT_S.", id="inference.E008"))
     if not 0 <= settings.LIMITS_FALLBACK_SHARE <= 1:
         problems.append(Error("LIMITS_FALLBACK_SHARE must be between 0 and 1.", id="inference.E008"))
     return problems

@@ -53,7 +53,7 @@ def main() -> None:
         sys.exit(f"REPLICAS must be at least 1, not {replicas}")
     ports = [free_port() for _ in range(replicas)]
     env["BATCH_ENGINE_URL"] = f"http://127.0.0.1:{env['PORT']}"  # through nginx, like any client
-    env.setdefault("LIMITS_FALLBACK_SHARE", str(1 / replicas))  # and so LIMITS_REDIS_TIMEOUT_S 0.1
+    env.setdefault("LIMITS_FALLBACK_SHARE", str(1 / replicas))
     nginx = ensure_nginx()
     (run_dir / "nginx").mkdir(exist_ok=True)
     conf = subprocess.run(

@@ -207,10 +207,15 @@ class Breaker:
     an answer it runs `recover` (which may fail: then it keeps probing), closes, and runs
     `flush` (what is best done once callers ask Redis again)."""
 
-    def __init__(self, probe: Callable[[], None], recover: Callable[[], None], flush: Callable[[], None]) -> None:
+    def __init__(self, probe: Callable[[], None], recover: Callable[[], None], flush: Callable[[], None],
+                 confirm: Callable[[], None] | None = None) -> None:
         self._probe, self._recover, self._flush = probe, recover, flush
+        self._confirm = confirm  # the first probe after a trip, under a longer deadline
         self._lock = threading.Lock()
         self.open = False
+        self.verdict = threading.Event()  # set once the first probe after the trip answered or failed
+        self.verdict.set()
+        self.confirmed = True  # the outage that opened it is no false trip (a busy box): the first probe failed too
         self.trips = 0
 
     def trip(self, exc: Exception) -> None:
@@ -218,6 +223,9 @@ class Breaker:
             if self.open:
                 return
             self.open = True
+            self.confirmed = self._confirm is None
+            if not self.confirmed:
+                self.verdict.clear()
             self.trips += 1
         log.warning("limits store unanswered (%s: %s): limits are decided by this process until it answers",
                     type(exc).__name__, exc)
@@ -225,23 +233,35 @@ class Breaker:
 
     def _probing(self) -> None:
         started = time.monotonic()
+        first = self._confirm is not None
         while True:
-            time.sleep(PROBE_S)
+            if not first:
+                time.sleep(PROBE_S)
             try:
-                self._probe()
+                (self._confirm if first else self._probe)()
                 self._recover()
             except (redis.ConnectionError, redis.TimeoutError):
+                self.confirmed, first = True, False
+                self.verdict.set()
                 continue
             except Exception:  # a bug in recovery must not leave the breaker open for good
                 log.exception("limits store recovery failed; closing the breaker anyway")
             with self._lock:
                 self.open = False
+            self.verdict.set()
             log.warning("limits store answers again after %.1f s: limits are shared again", time.monotonic() - started)
             try:
                 self._flush()
             except redis.RedisError as exc:  # what is left expires by its TTL
                 log.warning("limits store: could not release slots after it came back: %s", exc)
             return
+
+    def answered_after_all(self, timeout: float) -> bool:
+        """Whether Redis answered the first probe after the trip, waiting for it at most
+        `timeout`: a missed deadline that was the box's, not Redis's. At once when no longer
+        in doubt."""
+        self.verdict.wait(timeout)
+        return not self.open
 
 
 class FallbackLimiter:
@@ -251,10 +271,15 @@ class FallbackLimiter:
     those in the background); `steady` (the shared client) the monthly counters, which are
     read and seeded off the request's path or rebuilt from the database."""
 
-    def __init__(self, fast: Limiter, steady: Limiter, share: float) -> None:
-        self.fast, self.steady = fast, steady
+    def __init__(self, fast: Limiter, steady: Limiter, share: float, confirm: Limiter | None = None,
+                 confirm_s: float = 0.0) -> None:
+        self.fast, self.steady, self.confirm = fast, steady, confirm
+        self.confirm_s = confirm_s
         self.local = LocalLimits(share)
-        self.breaker = Breaker(self._probe, self._recover, self._flush)
+        # Below a whole share a refusal decided alone is confirmed first: the first probe after a
+        # trip (under `confirm`'s longer deadline, `confirm_s`) tells a busy box from a Redis away.
+        self.breaker = Breaker(self._probe, self._recover, self._flush,
+                               confirm=self._confirm_probe if confirm is not None and share < 1 else None)
         self._restore: dict[str, Reservation] = {}  # holds taken locally, to put into Redis
         self._unreleased: dict[str, Lease] = {}  # releases Redis missed
         self._charges: dict[tuple[str, str], tuple[int, float, int]] = {}  # (scope, name) -> (limit, period_s, units) admitted alone
@@ -286,15 +311,24 @@ class FallbackLimiter:
         if self.local.share <= 0:
             raise exc
 
+    def _ask_again(self, again: bool) -> bool:
+        """After a refusal decided alone: whether to ask Redis again, which answered after all
+        (the probe takes `confirm_s` at most, and recovering after it a few fast calls)."""
+        return not again and self.breaker.answered_after_all(2 * self.confirm_s + 0.1)
+
     # --- rate buckets
 
-    def admit(self, scope: str, period_s: float, costs: Mapping[str, tuple[int, int]]) -> Decision:
+    def admit(self, scope: str, period_s: float, costs: Mapping[str, tuple[int, int]], again: bool = False) -> Decision:
         keys = {name: (self.key(scope, name), limit, cost) for name, (limit, cost) in costs.items()}
         try:
             decision = self._ask(lambda: self.fast.admit(scope, period_s, costs))
         except LimitsUnavailable as exc:
             self._standing_in(exc)
             decision = self.local.admit(keys, period_s)
+            if not decision.allowed and self._ask_again(again):
+                # The call that missed its deadline may have been charged in Redis too: then
+                # this one is charged twice (over, never under).
+                return self.admit(scope, period_s, costs, again=True)
             if decision.allowed:
                 with self._pending_lock:
                     for name, (limit, cost) in costs.items():
@@ -325,16 +359,18 @@ class FallbackLimiter:
     # --- concurrent leases
 
     def acquire_lease(self, scope: str, name: str, limit: int, ttl_s: float,
-                      count: int = 1) -> tuple[Lease | None, Decision]:
-        lease = Lease(self.key(scope, name), uuid.uuid4().hex, ttl_s, count)
+                      count: int = 1, lease_id: str | None = None) -> tuple[Lease | None, Decision]:
+        lease = Lease(self.key(scope, name), lease_id or uuid.uuid4().hex, ttl_s, count)
         try:
             taken, decision = self._ask(
                 lambda: self.fast.acquire_lease(scope, name, limit, ttl_s, count, lease_id=lease.lease_id))
         except LimitsUnavailable as exc:
             self._standing_in(exc)
             # Redis may still run the call that missed its deadline: the same id makes the
-            # release (or the recovery) take those members back too.
+            # release (or the recovery, or asking again) take those members back too.
             decision = self.local.acquire(lease, limit)
+            if not decision.allowed and self._ask_again(lease_id is not None):
+                return self.acquire_lease(scope, name, limit, ttl_s, count, lease_id=lease.lease_id)
             return (lease if decision.allowed else None), decision
         if taken is not None:
             self.local.acquire(taken, limit, check=False)
@@ -365,8 +401,19 @@ class FallbackLimiter:
     # --- monthly budgets
 
     def reserve_budget(self, scope: str, month: str, budget: int, tokens: int, ttl_s: float,
-                       keys_ttl_s: float, used_so_far: Callable[[], int] | None = None) -> BudgetState:
+                       keys_ttl_s: float, used_so_far: Callable[[], int] | None = None,
+                       again: bool = False) -> BudgetState:
         """As `Limiter.reserve_budget`; alone, from the room last heard, else from `used_so_far()`."""
+        state = self._reserve_budget(scope, month, budget, tokens, ttl_s, keys_ttl_s, used_so_far)
+        if state is None or (state.status in ("exhausted", "held") and self.breaker.open):
+            if self._ask_again(again):
+                return self.reserve_budget(scope, month, budget, tokens, ttl_s, keys_ttl_s, used_so_far, again=True)
+            if state is None:
+                raise LimitsUnavailable(f"no budget state for {scope} this month while the limits store is away")
+        return state
+
+    def _reserve_budget(self, scope: str, month: str, budget: int, tokens: int, ttl_s: float,
+                        keys_ttl_s: float, used_so_far: Callable[[], int] | None) -> BudgetState | None:
         reservation = Reservation(scope, month, uuid.uuid4().hex, tokens, ttl_s)
         key = self.key(scope, month)
         try:
@@ -379,7 +426,7 @@ class FallbackLimiter:
                 self.local.learn(key, budget, used_so_far())
                 answer = self.local.reserve(key, reservation)
             if answer is None:
-                raise LimitsUnavailable(f"no budget state for {scope} this month while the limits store is away") from exc
+                return None
             taken, allowance, spent, holding = answer
             if not taken and not holding:  # spent by generations that ended
                 return BudgetState("exhausted", budget, 0)
@@ -419,6 +466,9 @@ class FallbackLimiter:
 
     def _probe(self) -> None:
         self.fast.client.set(self._probe_key, 1, px=5000)
+
+    def _confirm_probe(self) -> None:
+        self.confirm.client.set(self._probe_key, 1, px=5000)
 
     def _recover(self) -> None:
         """Put this process's running generations back into Redis before it decides again."""

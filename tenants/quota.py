@@ -29,12 +29,14 @@ _limiters_lock = threading.Lock()
 
 def limiter() -> FallbackLimiter:
     """Limits in Redis, decided by this process alone while Redis does not answer."""
-    at = (settings.REDIS_URL, settings.LIMITS_REDIS_TIMEOUT_S, settings.LIMITS_FALLBACK_SHARE)
+    at = (settings.REDIS_URL, settings.LIMITS_REDIS_TIMEOUT_S, settings.LIMITS_FALLBACK_SHARE,
+          settings.LIMITS_REDIS_CONFIRM_S)
     with _limiters_lock:
         found = _limiters.get(at)
         if found is None:
             found = _limiters[at] = FallbackLimiter(
-                Limiter(shared_redis.admission_client()), Limiter(shared_redis.client()), settings.LIMITS_FALLBACK_SHARE)
+                Limiter(shared_redis.admission_client()), Limiter(shared_redis.client()), settings.LIMITS_FALLBACK_SHARE,
+                confirm=Limiter(shared_redis.confirm_client()), confirm_s=settings.LIMITS_REDIS_CONFIRM_S)
         return found
 
 

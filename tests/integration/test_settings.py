@@ -78,7 +78,7 @@ def test_a_bad_speculative_setting_fails_the_system_checks_naming_it(settings, k
 
 
 @pytest.mark.parametrize("name, value", [("LIMITS_REDIS_TIMEOUT_S", 0), ("LIMITS_FALLBACK_SHARE", 1.5),
-                                         ("LIMITS_FALLBACK_SHARE", -0.1)])
+                                         ("LIMITS_FALLBACK_SHARE", -0.1), ("LIMITS_REDIS_CONFIRM_S", 0.001)])
 def test_a_limits_fallback_setting_out_of_range_fails_the_system_checks(settings, name, value):
     setattr(settings, name, value)
     with pytest.raises(SystemCheckError, match=name):

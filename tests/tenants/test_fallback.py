@@ -18,10 +18,15 @@ DEADLINE_S = 0.1
 PAUSE_MS = 3000  # far past the deadline: a call that waits for the pause fails the bound
 
 
-def fallback_limiter(redis, redis_server: str, share: float) -> FallbackLimiter:
-    fast = redis_lib.Redis.from_url(redis_server, socket_timeout=DEADLINE_S, socket_connect_timeout=DEADLINE_S,
+def deadline_client(redis_server: str, deadline_s: float) -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(redis_server, socket_timeout=deadline_s, socket_connect_timeout=deadline_s,
                                     retry=redis_lib.retry.Retry(redis_lib.backoff.NoBackoff(), 0))
-    return FallbackLimiter(Limiter(fast), Limiter(redis), share=share)
+
+
+def fallback_limiter(redis, redis_server: str, share: float, confirm_s: float = 0.0) -> FallbackLimiter:
+    confirm = Limiter(deadline_client(redis_server, confirm_s)) if confirm_s else None
+    return FallbackLimiter(Limiter(deadline_client(redis_server, DEADLINE_S)), Limiter(redis), share=share,
+                           confirm=confirm, confirm_s=confirm_s)
 
 
 @pytest.fixture
@@ -151,4 +156,32 @@ def test_a_share_of_one_half_grants_half_of_each_limit_alone(redis, redis_server
     with writes_paused(redis):
         taken = [half.acquire_lease("tenant:1", "streams", 4, ttl_s=30)[0] for _ in range(3)]
         assert [lease is not None for lease in taken] == [True, True, False]
+    answered_again(half)
+
+
+def test_a_part_share_refuses_alone_only_once_redis_misses_the_longer_deadline_too(redis, redis_server):
+    """A missed deadline is either Redis away or this box too busy to hear it in time (a false
+    trip). With a part of each limit to grant alone, a false trip refused tenants that fit their
+    whole limit; now a refusal waits for the first probe (LIMITS_REDIS_CONFIRM_S) and, Redis
+    answering, asks it again. Those that fit the share are admitted at the short deadline."""
+    half = fallback_limiter(redis, redis_server, share=0.5, confirm_s=2.0)
+    held = [half.acquire_lease("tenant:1", "streams", 4, ttl_s=30)[0] for _ in range(2)]
+    assert all(held)
+    # A pause shorter than the confirming deadline, longer than admission's: a false trip.
+    redis.execute_command("CLIENT", "PAUSE", 500, "WRITE")
+    lease, decision = half.acquire_lease("tenant:1", "streams", 4, ttl_s=30)
+    assert lease is not None and decision.allowed  # Redis's answer: 3 of 4, not the half share's 2
+    assert half.breaker.trips == 1 and not half.breaker.open
+    assert half.leases_held("tenant:1", "streams") == 3
+    assert half.admit("tenant:2", 60, {"requests": (3, 1)}).allowed
+
+    # Redis away for longer: the first refusal waits for the confirming probe, the next do not.
+    with writes_paused(redis):
+        admitted = half.admit("tenant:3", 60, {"requests": (2, 1)})  # fits half of 2: at once
+        assert admitted.allowed and half.breaker.open
+        assert not half.admit("tenant:3", 60, {"requests": (2, 1)}).allowed
+        assert half.breaker.confirmed
+        started = time.monotonic()
+        assert not half.acquire_lease("tenant:1", "streams", 4, ttl_s=30)[0]  # 3 held here: over 2
+        assert time.monotonic() - started < 1.0  # no second wait for the same outage
     answered_again(half)
