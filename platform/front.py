@@ -385,7 +385,8 @@ def main() -> int:
     env = os.environ
     logging.basicConfig(level=env.get("LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s front %(message)s")
     slots = int(env["WEB_WORKERS"])
-    listener = listen(env.get("WEB_HOST", "127.0.0.1"), int(env["WEB_PORT"]), int(env.get("WEB_BACKLOG", "2048")))
+    # Loopback, as platform/Procfile's daphne: a host's edge (TLS, nginx) is in front of it.
+    listener = listen("127.0.0.1", int(env["WEB_PORT"]), int(env.get("WEB_BACKLOG", "2048")))
     front = Front(listener, env["FRONT_SOCKET"], slots, head_timeout_s=float(env.get("REQUEST_HEAD_TIMEOUT_S", "30")),
                   drain_timeout_s=float(env.get("DRAIN_TIMEOUT_S", "60")))
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -124,6 +124,7 @@ def workers_procfile(run_dir: Path, processes: list[str], workers: int) -> Path:
     on PORT handing them connections (platform/front.py)."""
     env = os.environ
     base = dict(line.split(": ", 1) for line in (ROOT / "platform" / "Procfile").read_text().splitlines() if line)
+    env["WEB_WORKERS"] = str(workers)  # the front's count, given or not
     env["INFERENCE_ENGINE_SOCKET"] = str(run_dir / "engine.sock")
     env["FRONT_SOCKET"] = str(run_dir / "front.sock")
     # Each grants this part of every limit alone while Redis does not answer (tenants.fallback).

@@ -6,6 +6,7 @@ or the engine killed is started again while the rest serves on; SIGINT stops eve
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import importlib.util
 import os
@@ -31,6 +32,7 @@ from tests.integration.test_run import (
     stop_launcher,
 )
 from tests.live import http_status
+from tests.reliability.test_connection_burst import burst, listen_overflows
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("front", ROOT / "platform" / "front.py")
@@ -135,13 +137,25 @@ def test_two_web_processes_behind_the_front_share_one_engine(tmp_path):
             light = manage(env, "issue_key", "light")
         quiet = get_from(port, light)
         with concurrent.futures.ThreadPoolExecutor(40) as pool:
-            burst = list(pool.map(lambda _: get_from(port, heavy), range(front.HEAVY_CONNECTIONS + 8)))
+            heavy_ports = list(pool.map(lambda _: get_from(port, heavy), range(front.HEAVY_CONNECTIONS + 8)))
         during = get_from(port, light)
         home_name = f"web{home + 1}"
-        wait(lambda: served_by(log, during) and all(served_by(log, p) for p in burst), "the access log lines", log, 30)
+        wait(lambda: served_by(log, during) and all(served_by(log, p) for p in heavy_ports), "the access log lines", log, 30)
         assert served_by(log, quiet) == {home_name}
-        assert all(served_by(log, p) == {home_name} for p in burst)
+        assert all(served_by(log, p) == {home_name} for p in heavy_ports)
         assert served_by(log, during) == {f"web{2 - home}"}
+
+        # 400 concurrent streams of one lane-1 tenant through the front: every one connects
+        # and completes (issue 24 item 13, tests/reliability/test_connection_burst.py's burst).
+        manage(env, "create_tier", "wide", "--lane", "1", "--rpm", "100000", "--tpm", "50000000",
+               "--concurrency", "1000", "--max-tokens", "512", "--monthly-tokens", str(10**12))
+        wide = manage(env, "create_tenant", "wide", "--tier", "wide")
+        overflows = listen_overflows()
+        results = asyncio.run(burst(base, wide))
+        errors = [repr(r) for r in results if isinstance(r, BaseException)]
+        assert not errors, f"{len(errors)} of {len(results)} clients failed, e.g. {errors[:3]}"
+        assert [r for r in results if r != (200, True)] == []
+        assert listen_overflows() == overflows
 
         # A web process killed: the other serves its callers meanwhile, and it is started again.
         victim = next(iter(webs))
