@@ -120,6 +120,7 @@ class _CoreEngine(AsyncEngine):
         self.by_id: dict[str, _RequestState] = {}  # for pauses; pruned as requests finish
         self.owners: dict[str, _Client] = {}  # each request's web process, until it finishes
         self.clients: list[_Client] = []  # replaced, never changed in place: the engine thread iterates it
+        self._clients_lock = threading.Lock()  # web processes join and leave on threads of their own
 
     @property
     def _busy_since(self) -> float | None:
@@ -131,11 +132,13 @@ class _CoreEngine(AsyncEngine):
         _BUSY.pack_into(self._busy_map, 0, math.nan if value is None else value)
 
     def join(self, client: _Client) -> None:
-        self.clients = [*self.clients, client]
+        with self._clients_lock:
+            self.clients = [*self.clients, client]
 
     def leave(self, client: _Client) -> list[str]:
         """Forget `client`; the ids of its requests still here, for the caller to abort."""
-        self.clients = [c for c in self.clients if c is not client]
+        with self._clients_lock:
+            self.clients = [c for c in self.clients if c is not client]
         return [rid for rid, owner in list(self.owners.items()) if owner is client]
 
     def _settle(self, request_id, exc: BaseException | None) -> None:
@@ -414,7 +417,6 @@ class SharedEngine:
     def __init__(self, config: EngineConfig, path: str | os.PathLike, *, drain_timeout_s: float = 30.0) -> None:
         self.config, self.path, self.drain_timeout_s = config, os.fspath(path), drain_timeout_s
         self._stopping = threading.Event()
-        self._clients_lock = threading.Lock()
         self.core: _CoreEngine | None = None
 
     def serve(self, on_listening: Callable[[], None] | None = None) -> int:
