@@ -12,10 +12,12 @@ tenant's first token 2.3-4.8x its idle time on 2 cores, docs/benchmarks.md). Wit
 one worker, the other tenants' connections go where the burst is not:
 
 - a caller is its key (the Authorization header's value), else its address;
-- a caller that opened HEAVY_CONNECTIONS connections within HEAVY_WINDOW_S is heavy, and a heavy
-  caller's connections all go to its home worker (crc32 of the caller over the workers);
-- any other caller goes to its home worker unless a heavy caller is there, then to a worker
-  no heavy caller is on (by its hash among them), while there is one.
+- a caller that came within HEAVY_WINDOW_S sticks to the worker it went to; one new (or back
+  after a quiet window) goes to the worker that took the fewest connections lately, so a burst
+  that starts lands away from the callers already being served;
+- a caller that opened HEAVY_CONNECTIONS connections within HEAVY_WINDOW_S is heavy and keeps
+  its worker; the other callers leave a heavy caller's worker for one no heavy caller is on,
+  while there is one.
 
 The engine is shared, so where a connection lands changes nothing of its prefix cache; only
 which interpreter parses it and writes its stream. Nothing is proxied: the front reads a
@@ -69,49 +71,72 @@ def caller_of(head: bytes, peer: str) -> str:
 
 
 class Router:
-    """Which worker a caller's next connection goes to (no sockets here)."""
+    """Which worker a caller's next connection goes to (no sockets here).
+
+    A caller that came within the window sticks to the worker it went to; a heavy one always
+    (its burst stays on one worker), another while no heavy caller is there. A caller without
+    a worker goes to the one that took the fewest connections within the window, among those
+    no heavy caller is on (its hash breaks ties): a burst that starts lands away from the
+    callers already served, before it counts as heavy."""
 
     def __init__(self, slots: int, heavy_connections: int = HEAVY_CONNECTIONS,
                  heavy_window_s: float = HEAVY_WINDOW_S) -> None:
         self.slots = slots
         self.heavy_connections, self.heavy_window_s = heavy_connections, heavy_window_s
         self.alive: set[int] = set()
-        self.arrivals: dict[str, collections.deque] = {}
+        self.arrivals: dict[str, collections.deque] = {}  # caller -> its connections' times in the window
         self.heavy: dict[str, float] = {}  # caller -> when it last counted as heavy
+        self.last: dict[str, tuple[int, float]] = {}  # caller -> (worker, when) of its last connection
+        self.load: dict[int, collections.deque] = {}  # worker -> the times it was handed connections
 
-    def home(self, caller: str) -> int | None:
-        """The caller's slot, or the next live one after it in the ring."""
-        slot = zlib.crc32(caller.encode()) % self.slots
-        for step in range(self.slots):
-            candidate = (slot + step) % self.slots
-            if candidate in self.alive:
-                return candidate
-        return None
+    def home(self, caller: str) -> int:
+        """Where the caller's hash points: the first choice among equals."""
+        return zlib.crc32(caller.encode()) % self.slots
 
     def route(self, caller: str, now: float) -> int | None:
+        window = now - self.heavy_window_s
         arrivals = self.arrivals.setdefault(caller, collections.deque())
         arrivals.append(now)
-        while arrivals[0] < now - self.heavy_window_s:
+        while arrivals[0] < window:
             arrivals.popleft()
         if len(arrivals) >= self.heavy_connections:
             self.heavy[caller] = now
+        stuck = self.last.get(caller)
+        sticky = stuck[0] if stuck is not None and stuck[0] in self.alive and stuck[1] >= window else None
+        if caller in self.heavy:
+            choice = sticky if sticky is not None else self._least_loaded(self.alive, caller, now)
+        else:
+            crowded = {self.last[other][0] for other in self.heavy if other in self.last}
+            candidates = (self.alive - crowded) or self.alive
+            choice = sticky if sticky in candidates else self._least_loaded(candidates, caller, now)
+        if choice is not None:
+            self.last[caller] = (choice, now)
+            self.load.setdefault(choice, collections.deque()).append(now)
+        return choice
+
+    def _least_loaded(self, candidates: set[int], caller: str, now: float) -> int | None:
+        if not candidates:
+            return None
         home = self.home(caller)
-        if home is None or caller in self.heavy:
-            return home
-        crowded = {self.home(other) for other in self.heavy}
-        if home not in crowded:
-            return home
-        free = sorted(self.alive - crowded)
-        if not free:
-            return home
-        return free[zlib.crc32(caller.encode()) % len(free)]
+        for worker in candidates:
+            self._prune(self.load.get(worker), now)
+        return min(candidates, key=lambda w: (len(self.load.get(w, ())), (w - home) % self.slots))
+
+    def _prune(self, times: collections.deque | None, now: float) -> None:
+        while times and times[0] < now - self.heavy_window_s:
+            times.popleft()
 
     def forget(self, now: float) -> None:
         """Drop what fell out of the window (called a few times a second)."""
-        for caller in [c for c, when in self.heavy.items() if when < now - self.heavy_window_s]:
+        window = now - self.heavy_window_s
+        for caller in [c for c, when in self.heavy.items() if when < window]:
             del self.heavy[caller]
-        for caller in [c for c, q in self.arrivals.items() if not q or q[-1] < now - self.heavy_window_s]:
+        for caller in [c for c, q in self.arrivals.items() if not q or q[-1] < window]:
             del self.arrivals[caller]
+        for caller in [c for c, (_, when) in self.last.items() if when < window]:
+            del self.last[caller]
+        for times in self.load.values():
+            self._prune(times, now)
 
 
 @dataclass(eq=False)

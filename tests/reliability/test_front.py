@@ -29,45 +29,61 @@ def key_with_home(router, home: int, prefix: str) -> str:
 
 # -- where callers go --------------------------------------------------------------------------
 
-def test_a_caller_keeps_its_home_and_a_dead_homes_share_goes_to_the_next_worker():
-    router = front.Router(3)
+def test_a_caller_sticks_to_its_worker_and_new_ones_go_to_the_least_loaded():
+    router = front.Router(3, heavy_window_s=2.0)
     router.alive = {0, 1, 2}
     callers = [f"key:Bearer sk-{i}" for i in range(60)]
-    homes = {c: router.route(c, 0.0) for c in callers}
-    assert set(homes.values()) == {0, 1, 2}  # spread over all of them
-    assert all(router.route(c, 0.1) == homes[c] for c in callers)  # and stable
+    first = {c: router.route(c, 0.001 * i) for i, c in enumerate(callers)}
+    assert sorted(list(first.values()).count(w) for w in (0, 1, 2)) == [20, 20, 20]  # spread evenly
+    assert all(router.route(c, 0.5) == first[c] for c in callers)  # and each stays
     router.alive = {0, 2}
-    for caller, home in homes.items():
-        assert router.route(caller, 0.2) == (home if home != 1 else 2)
+    moved = {c: router.route(c, 1.0) for c in callers if first[c] == 1}
+    assert set(moved.values()) == {0, 2}  # a dead worker's callers spread over the others
+    router.forget(3.1)
+    assert not router.last and not router.arrivals  # quiet for the window: nothing remembered
     router.alive = set()
-    assert router.route(callers[0], 0.3) is None
+    assert router.route(callers[0], 3.2) is None
 
 
-def test_a_heavy_callers_home_is_left_to_it_while_its_burst_lasts():
+def test_a_burst_starts_away_from_the_callers_being_served_and_keeps_its_worker():
     router = front.Router(2, heavy_connections=8, heavy_window_s=2.0)
     router.alive = {0, 1}
-    heavy = key_with_home(router, 0, "heavy")
     light = key_with_home(router, 0, "light")
-    assert router.route(light, 0.0) == 0  # alone: its home
-    for i in range(8):  # a burst: all of it on its own home
-        assert router.route(heavy, 0.1 + i * 0.001) == 0
-    assert router.route(light, 0.2) == 1  # elsewhere while the burst is heavy
-    assert router.route(heavy, 0.3) == 0
-    router.forget(2.2)  # the burst's last connection is 1.9 s old: still heavy
-    assert router.route(light, 2.2) == 1
-    router.forget(2.4)
-    assert router.route(light, 2.4) == 0  # quiet for the window: home again
-    assert heavy not in router.arrivals and heavy not in router.heavy
+    heavy = key_with_home(router, 0, "heavy")  # the same hash: ties would put them together
+    assert router.route(light, 0.0) == 0
+    burst = [router.route(heavy, 0.1 + i * 0.001) for i in range(20)]
+    assert burst == [1] * 20  # the least loaded when it began, and kept once heavy
+    assert router.route(light, 0.2) == 0
+    newcomer = key_with_home(router, 1, "new")
+    assert router.route(newcomer, 0.3) == 0  # not onto the burst's worker
 
 
-def test_with_every_worker_crowded_a_caller_stays_home():
+def test_a_caller_leaves_a_heavy_callers_worker_while_another_is_free():
+    router = front.Router(2, heavy_connections=8, heavy_window_s=2.0)
+    router.alive = {0, 1}
+    light, heavy = key_with_home(router, 0, "light"), key_with_home(router, 1, "heavy")
+    router.route(heavy, 0.0)  # worker 1, the least loaded, on its hash
+    assert router.route(light, 0.01) == 0
+    router.alive = {1}  # worker 0 restarting: everyone on 1
+    assert router.route(light, 0.02) == 1
+    for i in range(8):  # the burst on 1 turns heavy
+        assert router.route(heavy, 0.1 + i * 0.001) == 1
+    router.alive = {0, 1}
+    assert router.route(light, 0.2) == 0  # off the heavy caller's worker
+    router.forget(2.3)  # the burst over for the window: nobody heavy
+    assert heavy not in router.heavy and heavy not in router.arrivals
+
+
+def test_with_every_worker_crowded_a_caller_stays_where_it_is():
     router = front.Router(2, heavy_connections=4)
     router.alive = {0, 1}
     first, second = key_with_home(router, 0, "a"), key_with_home(router, 1, "b")
-    for i in range(4):
-        router.route(first, 0.01 * i)
-        router.route(second, 0.01 * i)
     light = key_with_home(router, 1, "light")
+    assert router.route(light, 0.0) == 1
+    for i in range(4):
+        router.route(first, 0.01 + 0.01 * i)
+        router.route(second, 0.01 + 0.01 * i)
+    assert {router.last[first][0], router.last[second][0]} == {0, 1}
     assert router.route(light, 0.1) == 1
 
 
@@ -187,8 +203,10 @@ def test_a_worker_gone_gets_no_more_and_one_back_gets_its_share_again(running_fr
     assert ask(port, key).startswith(b"worker 0:")
     StandIn(path, 1)
     wait_for_workers(fr, 2)
-    assert ask(port, key).startswith(b"worker 1:")
-    assert first.served == 1
+    assert ask(port, key).startswith(b"worker 0:")  # it stays where it went
+    newcomer = key_with_home(fr.router, 0, "new").removeprefix("key:Bearer ")
+    assert ask(port, newcomer).startswith(b"worker 1:")  # the one back is the least loaded
+    assert first.served == 2
 
 
 def test_connections_wait_for_a_worker_and_a_silent_one_is_routed_by_address(running_front):
