@@ -39,6 +39,7 @@ import collections
 import errno
 import logging
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -188,6 +189,7 @@ class Front:
         self.workers: dict[int, _Worker] = {}
         self.hello: dict[int, socket.socket] = {}  # workers connected that have not said their number
         self.stopping = self.stop_asked = False
+        self.accept_failed_at = 0.0
         self.selector.register(self.listener, selectors.EVENT_READ, self._accept)
         self.selector.register(self.control, selectors.EVENT_READ, self._worker_connects)
 
@@ -200,7 +202,10 @@ class Front:
             if self.stop_asked and not self.stopping:
                 self._stop()
             for key, events in self.selector.select(0.1):
-                key.data(key.fileobj, events)
+                try:
+                    key.data(key.fileobj, events)
+                except Exception:  # one connection's trouble must not end every other one's
+                    log.exception("front: handling %s failed", key.fileobj)
             now = time.monotonic()
             if now - last_sweep >= 0.1:
                 last_sweep = now
@@ -243,7 +248,10 @@ class Front:
                 return
             except OSError as exc:  # EMFILE and friends: the backlog holds the rest meanwhile
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.error("accept failed: %s", exc)
+                    now = time.monotonic()
+                    if now - self.accept_failed_at >= 1.0:  # the listener stays readable: once a second
+                        log.error("accept failed: %s", exc)
+                        self.accept_failed_at = now
                     return
                 raise
             sock.setblocking(False)
@@ -256,7 +264,9 @@ class Front:
             self.selector.register(sock, selectors.EVENT_READ, self._read_head)
 
     def _read_head(self, sock, events) -> None:
-        item = self.pending[sock.fileno()]
+        item = self.pending.get(sock.fileno())
+        if item is None or item.sock is not sock:  # routed earlier in this turn (the pending bound)
+            return
         try:
             data = sock.recv(REQUEST_HEAD_BYTES - len(item.head))
         except (BlockingIOError, InterruptedError):
@@ -408,6 +418,12 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
 
 def main() -> int:
     env = os.environ
+    # A connection is a descriptor here until a worker takes it: the hard limit, not a stock 1,024.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20), hard))
+    except (ValueError, OSError) as exc:
+        log.warning("open files stay at %d: %s", soft, exc)
     logging.basicConfig(level=env.get("LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s front %(message)s")
     slots = int(env["WEB_WORKERS"])
     # Loopback, as platform/Procfile's daphne: a host's edge (TLS, nginx) is in front of it.

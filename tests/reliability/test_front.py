@@ -266,3 +266,39 @@ def test_a_stuck_worker_gets_no_more_until_it_takes_what_it_holds(running_front,
     for thread in asking:
         thread.join(TIMEOUT_S)
     assert answers == [b"worker 0: GET /v1/models HTTP/1.1"] * 6
+
+
+def test_past_the_pending_bound_the_oldest_head_still_coming_is_handed_over(running_front, monkeypatch):
+    """Connections whose heads have not all arrived are bounded (PENDING_MAX): past it the
+    oldest goes to a worker with what it sent so far, by its address, and the worker reads the
+    rest; the front holds no more than the bound."""
+    fr, port, path = running_front
+    monkeypatch.setattr(front, "PENDING_MAX", 2)
+    fr.head_timeout_s = TIMEOUT_S  # not the fixture's 1 s: the bound, not the deadline, hands it over
+    StandIn(path, 0)
+    StandIn(path, 1)
+    wait_for_workers(fr, 2)
+    slow = []
+    try:
+        for i in range(3):
+            slow.append(sock := socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S))
+            sock.sendall(b"GET /part-%d" % i)
+            deadline = time.monotonic() + TIMEOUT_S
+            while sock.getsockname()[1] not in pending_ports(fr):
+                assert time.monotonic() < deadline, i
+                time.sleep(0.01)
+        assert pending_ports(fr) == {sock.getsockname()[1] for sock in slow[1:]}
+        slow[0].sendall(b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert slow[0].recv(4096).endswith(b": GET /part-0 HTTP/1.1")
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def pending_ports(fr) -> set[int]:
+    """The client ports of the connections whose heads the front is reading (from its thread)."""
+    while True:
+        try:
+            return {item.sock.getpeername()[1] for item in list(fr.pending.values())}
+        except (RuntimeError, OSError):  # changed while copied, or closed meanwhile: again
+            time.sleep(0.001)
