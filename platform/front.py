@@ -12,12 +12,12 @@ tenant's first token 2.3-4.8x its idle time on 2 cores, docs/benchmarks.md). Wit
 one worker, the other tenants' connections go where the burst is not:
 
 - a caller is its key (the Authorization header's value), else its address;
-- a caller that came within HEAVY_WINDOW_S sticks to the worker it went to; one new (or back
-  after a quiet window) goes to the worker that took the fewest connections lately, so a burst
-  that starts lands away from the callers already being served;
-- a caller that opened HEAVY_CONNECTIONS connections within HEAVY_WINDOW_S is heavy and keeps
-  its worker; the other callers leave a heavy caller's worker for one no heavy caller is on,
-  while there is one.
+- a caller that came within STICKY_S sticks to the worker it went to; one new (or back after a
+  quiet minute) goes to the worker that took the fewest connections within HEAVY_WINDOW_S, so a
+  burst that starts lands away from the callers already being served;
+- a caller that opened HEAVY_CONNECTIONS connections within HEAVY_WINDOW_S is heavy (for
+  STICKY_S after) and keeps its worker; the other callers leave a heavy caller's worker for one
+  no heavy caller is on, while there is one.
 
 The engine is shared, so where a connection lands changes nothing of its prefix cache; only
 which interpreter parses it and writes its stream. Nothing is proxied: the front reads a
@@ -53,6 +53,11 @@ log = logging.getLogger("front")
 REQUEST_HEAD_BYTES = 16 * 1024  # routing reads no further: Authorization comes early in a head
 HEAVY_CONNECTIONS = 32
 HEAVY_WINDOW_S = 2.0
+# How long a caller keeps its worker after its last connection: a tenant that comes back stays
+# where it was, so a burst that starts (a new caller) is what goes elsewhere. At 2 s a tenant
+# returning every few seconds chose afresh each time and, tied with a burst's first connection,
+# went with it: 1 first token in 10 of 40 then waited among the burst (bench/isolation.py).
+STICKY_S = 60.0
 PENDING_MAX = 4096  # connections being read at once; past it the oldest is routed by its address
 WORKER_BACKLOG = 1024  # connections a worker has not taken before it counts as stuck
 ACCEPTS_PER_TURN = 64
@@ -74,7 +79,7 @@ def caller_of(head: bytes, peer: str) -> str:
 class Router:
     """Which worker a caller's next connection goes to (no sockets here).
 
-    A caller that came within the window sticks to the worker it went to; a heavy one always
+    A caller that came within STICKY_S sticks to the worker it went to; a heavy one always
     (its burst stays on one worker), another while no heavy caller is there. A caller without
     a worker goes to the one that took the fewest connections within the window, among those
     no heavy caller is on (its hash breaks ties): a burst that starts lands away from the
@@ -86,8 +91,11 @@ class Router:
         self.heavy_connections, self.heavy_window_s = heavy_connections, heavy_window_s
         self.alive: set[int] = set()
         self.arrivals: dict[str, collections.deque] = {}  # caller -> its connections' times in the window
-        self.heavy: dict[str, float] = {}  # caller -> when it last counted as heavy
-        self.last: dict[str, tuple[int, float]] = {}  # caller -> (worker, when) of its last connection
+        # caller -> when it last counted as heavy; remembered as long as where callers went, so
+        # a tenant that shared a worker with a burst once leaves it at its next request
+        self.heavy: dict[str, float] = {}
+        self.last: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()  # caller ->
+        # (worker, when) of its last connection, the least recent first
         self.load: dict[int, collections.deque] = {}  # worker -> the times it was handed connections
 
     def home(self, caller: str) -> int:
@@ -103,7 +111,7 @@ class Router:
         if len(arrivals) >= self.heavy_connections:
             self.heavy[caller] = now
         stuck = self.last.get(caller)
-        sticky = stuck[0] if stuck is not None and stuck[0] in self.alive and stuck[1] >= window else None
+        sticky = stuck[0] if stuck is not None and stuck[0] in self.alive and stuck[1] >= now - STICKY_S else None
         if caller in self.heavy:
             choice = sticky if sticky is not None else self._least_loaded(self.alive, caller, now)
         else:
@@ -112,6 +120,7 @@ class Router:
             choice = sticky if sticky in candidates else self._least_loaded(candidates, caller, now)
         if choice is not None:
             self.last[caller] = (choice, now)
+            self.last.move_to_end(caller)
             self.load.setdefault(choice, collections.deque()).append(now)
         return choice
 
@@ -130,12 +139,12 @@ class Router:
     def forget(self, now: float) -> None:
         """Drop what fell out of the window (called a few times a second)."""
         window = now - self.heavy_window_s
-        for caller in [c for c, when in self.heavy.items() if when < window]:
+        for caller in [c for c, when in self.heavy.items() if when < now - STICKY_S]:
             del self.heavy[caller]
         for caller in [c for c, q in self.arrivals.items() if not q or q[-1] < window]:
             del self.arrivals[caller]
-        for caller in [c for c, (_, when) in self.last.items() if when < window]:
-            del self.last[caller]
+        while self.last and next(iter(self.last.values()))[1] < now - STICKY_S:
+            self.last.popitem(last=False)
         for times in self.load.values():
             self._prune(times, now)
 
