@@ -115,7 +115,6 @@ class _CoreEngine(AsyncEngine):
     def __init__(self, engine, busy: mmap.mmap, **kw):
         self._busy_map = busy
         super().__init__(engine, lease_s=math.inf, **kw)  # the web side holds the leases
-        self._added: list[str] = []
         self._sent_stats: EngineStats | None = None
         self.by_id: dict[str, _RequestState] = {}  # for pauses; pruned as requests finish
         self.owners: dict[str, _Client] = {}  # each request's web process, until it finishes
@@ -142,9 +141,7 @@ class _CoreEngine(AsyncEngine):
         return [rid for rid, owner in list(self.owners.items()) if owner is client]
 
     def _settle(self, request_id, exc: BaseException | None) -> None:
-        if exc is None:
-            self._added.append(request_id)
-            return
+        """A refused add, to its web process (added ones go with the iteration's message, _flush)."""
         self.by_id.pop(request_id, None)
         owner = self.owners.pop(request_id, None)
         if owner is not None:
@@ -152,14 +149,9 @@ class _CoreEngine(AsyncEngine):
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        added, self._added = self._added, []
-        messages: dict[_Client, tuple[list, list]] = {}
-        for rid in added:
-            owner = self.owners.get(rid)
-            if owner is not None:
-                messages.setdefault(owner, ([], []))[0].append((rid, None))
+        messages: dict[_Client, tuple[list, list]] = {}  # web process -> (adds settled, outputs)
         for item in outbox:
-            if not isinstance(item, tuple):
+            if not isinstance(item, tuple):  # a request id: its add is in the engine
                 owner = self.owners.get(item)
                 if owner is not None:
                     messages.setdefault(owner, ([], []))[0].append((item, None))
@@ -315,7 +307,6 @@ def _forget_client(core: _CoreEngine, client: _Client, compiles: _Compiles) -> N
 
 
 def _load_apart(config: EngineConfig):
-
     """The engine, or what loading it raised, loaded on a thread that ends before the engine
     thread starts. libgomp gives each thread that opens a parallel region a team of its own and,
     while it manages more threads than there are CPUs, has their workers sleep between regions
@@ -419,7 +410,7 @@ class SharedEngine:
         self._stopping = threading.Event()
         self.core: _CoreEngine | None = None
 
-    def serve(self, on_listening: Callable[[], None] | None = None) -> int:
+    def serve(self) -> int:
         busy_fd = os.memfd_create("llm-engine-busy")
         os.ftruncate(busy_fd, _BUSY.size)
         busy = mmap.mmap(busy_fd, _BUSY.size)
@@ -445,8 +436,6 @@ class SharedEngine:
         listener.listen(64)
         listener.settimeout(0.5)
         log.info("engine serving web processes on %s", self.path)
-        if on_listening is not None:
-            on_listening()
         try:
             while not self._stopping.is_set():
                 try:
