@@ -123,20 +123,16 @@ class EngineHost:
     def _load(self) -> None:
         try:
             config = engine_config()
-            shared = settings.INFERENCE["ENGINE_SOCKET"]
-            if shared:
+            shared = settings.INFERENCE["ENGINE_SOCKET"] or None
+            if shared or settings.INFERENCE["PROCESS"]:
+                if shared:
+                    log.info("connecting to the engine server on %s", shared)
+                else:
+                    log.info("loading model %s (device %s, dtype %s, kernels %s) in a process of its own",
+                             config.model, config.device, config.dtype, config.kernels)
                 from inference.engine.process import EngineProcess
 
-                log.info("connecting to the engine server on %s", shared)
                 async_engine = EngineProcess(config, shared=shared, name=settings.REPLICA_ID)
-                async_engine.start()
-                engine = async_engine.engine
-            elif settings.INFERENCE["PROCESS"]:
-                log.info("loading model %s (device %s, dtype %s, kernels %s) in a process of its own", config.model,
-                         config.device, config.dtype, config.kernels)
-                from inference.engine.process import EngineProcess
-
-                async_engine = EngineProcess(config)
                 async_engine.start()
                 engine = async_engine.engine
             else:  # the engine on a thread of this process, and torch with it

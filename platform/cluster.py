@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from run import ROOT, begin, free_port, prepare_database  # platform/run.py, beside this file
+from run import ROOT, begin, free_port, prepare_database, procfile_lines, web_line  # platform/run.py, beside this file
 
 NGINX = "/usr/sbin/nginx"
 
@@ -31,12 +31,10 @@ def ensure_nginx() -> str:
 
 def procfile(run_dir: Path, processes: list[str], ports: list[int], nginx: str) -> Path:
     """platform/Procfile's redis and worker, one web line per replica, and nginx."""
-    base = dict(line.split(": ", 1) for line in (ROOT / "platform" / "Procfile").read_text().splitlines() if line)
+    base = procfile_lines()
     lines = [f"redis: {base['redis']}"] if "redis" in processes else []
     for number, port in enumerate(ports, 1):
-        # Exported first: the web line expands $WEB_PORT itself.
-        lines.append(f"web{number}: export REPLICA_ID=replica-{number} WEB_PORT={port} "
-                     f"REPLICA_URL=http://127.0.0.1:{port}; {base['web']}")
+        lines.append(web_line(f"web{number}", f"replica-{number}", port, base["web"]))
     user = "user root; " if os.getuid() == 0 else ""  # a root master's workers would run as nobody
     lines.append(f'nginx: {nginx} -c "$RUN_DIR/nginx/nginx.conf" -p "$RUN_DIR/nginx" -g "daemon off; {user}"')
     lines.append(f"worker: {base['worker']}")

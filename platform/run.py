@@ -118,12 +118,25 @@ def web_workers() -> int:
     return int(value)
 
 
+def procfile_lines() -> dict[str, str]:
+    """platform/Procfile's command lines by process name."""
+    return dict(line.split(": ", 1) for line in (ROOT / "platform" / "Procfile").read_text().splitlines() if line)
+
+
+def web_line(label: str, replica_id: str, port: int, web: str, **env: str) -> str:
+    """A Procfile line running platform/Procfile's `web` command as replica `replica_id` on a
+    loopback port of its own, with `env` besides. Exported first: the command expands
+    $WEB_PORT itself."""
+    exports = "".join(f"{key}={value} " for key, value in env.items())
+    return f"{label}: export {exports}REPLICA_ID={replica_id} WEB_PORT={port} REPLICA_URL=http://127.0.0.1:{port}; {web}"
+
+
 def workers_procfile(run_dir: Path, processes: list[str], workers: int) -> Path:
     """platform/Procfile's redis and Celery worker, with WEB_WORKERS web processes on loopback
     ports of their own in place of its one web process, one engine they share, and the front
     on PORT handing them connections (platform/front.py)."""
     env = os.environ
-    base = dict(line.split(": ", 1) for line in (ROOT / "platform" / "Procfile").read_text().splitlines() if line)
+    base = procfile_lines()
     env["WEB_WORKERS"] = str(workers)  # the front's count, given or not
     env["INFERENCE_ENGINE_SOCKET"] = str(run_dir / "engine.sock")
     env["FRONT_SOCKET"] = str(run_dir / "front.sock")
@@ -133,10 +146,7 @@ def workers_procfile(run_dir: Path, processes: list[str], workers: int) -> Path:
     python = sys.executable
     lines.append(f"engine: sh platform/supervise.sh engine {python} manage.py engine_server")
     for number in range(workers):
-        port = free_port()
-        # Exported first: the web line expands $WEB_PORT itself.
-        lines.append(f"web{number + 1}: export WEB_WORKER={number} REPLICA_ID=web-{number + 1} WEB_PORT={port} "
-                     f"REPLICA_URL=http://127.0.0.1:{port}; {base['web']}")
+        lines.append(web_line(f"web{number + 1}", f"web-{number + 1}", free_port(), base["web"], WEB_WORKER=str(number)))
     lines.append(f"front: sh platform/supervise.sh front {python} platform/front.py")
     lines.append(f"worker: {base['worker']}")
     path = run_dir / "Procfile.workers"
